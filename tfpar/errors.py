@@ -1,0 +1,44 @@
+"""The errors tfpar raises. Each message says what is wrong and names the fix.
+
+Every class derives from `TfparError`, so callers can catch all of tfpar's own
+refusals in one place, and from the builtin that fits (`ValueError` for bad input,
+`RuntimeError` for a wrong moment or missing hardware), so generic handlers work too.
+
+Example:
+    >>> try:
+    ...     tfpar.create_strategy("mirored")
+    ... except tfpar.TfparError as e:
+    ...     print(e)   # Unknown strategy 'mirored'. Did you mean 'mirrored'? ...
+"""
+
+
+class TfparError(Exception):
+    """Base class of every error tfpar raises on purpose."""
+
+
+class UnknownStrategyError(TfparError, ValueError):
+    """A strategy name that tfpar does not know."""
+
+
+class StrategyOptionError(TfparError, ValueError):
+    """An option that does not fit the chosen strategy (e.g. all_reduce='nccl' on CPU)."""
+
+
+class ClusterConfigError(TfparError, ValueError):
+    """A malformed or inconsistent cluster description (TF_CONFIG, SLURM, dict)."""
+
+
+class PeerUnreachableError(TfparError, ConnectionError):
+    """A task of the cluster did not answer before the deadline."""
+
+
+class RuntimeAlreadyStartedError(TfparError, RuntimeError):
+    """Something that must be configured before TensorFlow starts came too late."""
+
+
+class TPUNotFoundError(TfparError, RuntimeError):
+    """A TPU was asked for and none was found."""
+
+
+class UnsupportedStrategyError(TfparError, RuntimeError):
+    """A feature that cannot run under the active strategy (e.g. Keras fit under PS)."""

@@ -1,0 +1,276 @@
+"""One name -> a tf.distribute strategy, with the cluster found and checked first.
+
+Example:
+    >>> strategy = tfpar.create_strategy("mirrored", virtual_devices=2)   # 2 replicas on a CPU
+    >>> strategy = tfpar.create_strategy("auto")       # TPU > cluster > GPUs > one device
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Sequence
+
+from absl import logging
+
+from tfpar.errors import StrategyOptionError, UnknownStrategyError
+from tfpar.strategy import cluster as cluster_lib
+from tfpar.strategy import keras_fixes, preflight, runtime, tpu as tpu_lib
+
+STRATEGY_NAMES = (
+    "auto", "default", "one_device", "mirrored", "multi_worker_mirrored", "parameter_server", "tpu",
+)
+ALIASES = {"off": "default", "mwms": "multi_worker_mirrored", "ps": "parameter_server"}
+ALL_REDUCE = ("auto", "nccl", "ring", "hierarchical_copy", "one_device")
+
+
+def normalize_name(name: str) -> str:
+    """Canonical strategy name; raises UnknownStrategyError with the closest match."""
+    if not isinstance(name, str):
+        raise UnknownStrategyError(f"Strategy name must be a string, got {name!r}.")
+    key = name.strip().lower().replace("-", "_")
+    key = ALIASES.get(key, key)
+    if key in STRATEGY_NAMES:
+        return key
+    choices = STRATEGY_NAMES + tuple(ALIASES)
+    close = difflib.get_close_matches(key, choices, n=1, cutoff=0.5)
+    hint = f" Did you mean {ALIASES.get(close[0], close[0])!r}?" if close else ""
+    raise UnknownStrategyError(
+        f"Unknown strategy {name!r}.{hint} Known strategies: {', '.join(STRATEGY_NAMES)} "
+        f"(aliases: {', '.join(f'{a}={b}' for a, b in ALIASES.items())})."
+    )
+
+
+def create_strategy(
+    name: str = "auto",
+    *,
+    devices: Sequence[str] | None = None,
+    virtual_devices: int | None = None,
+    all_reduce: str = "auto",
+    num_packs: int = 1,
+    tpu: str | None = None,
+    cluster: Any = None,
+    timeout_s: float | None = None,
+    connect_timeout_s: float = 60.0,
+    variable_partitioner: Any = None,
+):
+    """Returns the tf.distribute strategy named `name`, ready to use.
+
+    Args:
+      name: auto, default (off), one_device, mirrored, multi_worker_mirrored (mwms),
+        parameter_server (ps) or tpu; case-insensitive.
+      devices: explicit devices for one_device / mirrored.
+      virtual_devices: split the CPU (or each GPU) into this many logical devices first,
+        so multi-replica code runs on a laptop. Must come before TensorFlow starts.
+      all_reduce: auto, nccl, ring, hierarchical_copy or one_device.
+      num_packs: gradient packing for nccl / hierarchical_copy (mirrored).
+      tpu: a TPU name, 'local' (TPU VM) or grpc address.
+      cluster: 'tf_config', 'slurm', a TF_CONFIG-shaped dict or a ClusterResolver;
+        None looks for TF_CONFIG, then SLURM.
+      timeout_s: collective timeout (multi_worker_mirrored): a lost peer fails a step
+        after this many seconds instead of hanging.
+      connect_timeout_s: how long the pre-flight check waits for every peer to answer.
+      variable_partitioner: parameter_server only, e.g.
+        tf.distribute.experimental.partitioners.MinSizePartitioner().
+
+    On a parameter_server cluster, worker and ps tasks start their TensorFlow server
+    and serve until killed: this call does not return there. Only the chief gets a
+    strategy back.
+    """
+    kind = normalize_name(name)
+    _check_all_reduce(all_reduce, num_packs)
+    if virtual_devices is not None:
+        runtime.split_devices(virtual_devices)
+    if kind == "auto":
+        kind, cluster, reason = _decide(tpu, cluster)
+        logging.info("tfpar: strategy 'auto' chose %r: %s.", kind, reason)
+        print(f"tfpar: strategy 'auto' chose {kind!r}: {reason}.", flush=True)
+    builder = _BUILDERS[kind]
+    strategy = builder(
+        devices=devices, all_reduce=all_reduce, num_packs=num_packs, tpu=tpu,
+        cluster=cluster, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
+        variable_partitioner=variable_partitioner,
+    )
+    keras_fixes.apply()
+    return strategy
+
+
+def _decide(tpu: str | None, cluster: Any) -> tuple[str, Any, str]:
+    """What `auto` picks, and why (one line)."""
+    candidates = tpu_lib.tpu_candidates(tpu)
+    if candidates:
+        return "tpu", cluster, candidates[0][1]
+    found = cluster_lib.find_cluster(cluster)
+    if found is not None and found.num_tasks > 1:
+        if found.has_ps:
+            return "parameter_server", found, f"{found.source} has a 'ps' job ({found.num_tasks} tasks)"
+        return "multi_worker_mirrored", found, f"{found.source} lists {found.num_workers} workers"
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if len(gpus) > 1:
+        return "mirrored", cluster, f"{len(gpus)} GPUs found"
+    what = "1 GPU" if gpus else "no TPU, cluster or GPU found; using the CPU"
+    return "one_device", cluster, what
+
+
+def _check_all_reduce(all_reduce: str, num_packs: int) -> None:
+    if all_reduce not in ALL_REDUCE:
+        close = difflib.get_close_matches(str(all_reduce), ALL_REDUCE, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise StrategyOptionError(
+            f"Unknown all_reduce {all_reduce!r}.{hint} Choose one of {', '.join(ALL_REDUCE)}."
+        )
+    if not isinstance(num_packs, int) or num_packs < 0:
+        raise StrategyOptionError(f"num_packs must be an integer >= 0, got {num_packs!r}.")
+
+
+def _refuse_options(kind: str, **options: Any) -> None:
+    given = [key for key, value in options.items() if value not in (None, "auto", 1)]
+    if given:
+        raise StrategyOptionError(
+            f"Option(s) {', '.join(given)} do not apply to the {kind!r} strategy. Remove them, "
+            "or choose a strategy that uses them (all_reduce/num_packs: mirrored or "
+            "multi_worker_mirrored; timeout_s: multi_worker_mirrored)."
+        )
+
+
+def _build_default(*, devices, all_reduce, num_packs, timeout_s, **_):
+    import tensorflow as tf
+
+    _refuse_options("default", devices=devices, all_reduce=all_reduce, num_packs=num_packs,
+                    timeout_s=timeout_s)
+    return tf.distribute.get_strategy()
+
+
+def _build_one_device(*, devices, all_reduce, num_packs, timeout_s, **_):
+    import tensorflow as tf
+
+    _refuse_options("one_device", all_reduce=all_reduce, num_packs=num_packs, timeout_s=timeout_s)
+    if devices and len(devices) != 1:
+        raise StrategyOptionError(
+            f"one_device takes exactly one device, got {list(devices)}. Use 'mirrored' for several."
+        )
+    device = devices[0] if devices else runtime.local_compute_devices()[0]
+    return tf.distribute.OneDeviceStrategy(device)
+
+
+def _build_mirrored(*, devices, all_reduce, num_packs, timeout_s, **_):
+    import tensorflow as tf
+
+    _refuse_options("mirrored", timeout_s=timeout_s)
+    devices = list(devices) if devices else runtime.local_compute_devices()
+    on_gpu = any("GPU" in d.upper() for d in devices)
+    if all_reduce == "nccl" and not on_gpu:
+        raise StrategyOptionError(
+            "all_reduce='nccl' needs GPUs, but the mirrored devices are CPUs. Use "
+            "'auto' or 'one_device' on CPU."
+        )
+    if all_reduce == "ring":
+        raise StrategyOptionError(
+            "all_reduce='ring' is the collective ring of multi_worker_mirrored. For mirrored "
+            "use 'nccl', 'hierarchical_copy', 'one_device' or 'auto'."
+        )
+    packs = {"num_packs": num_packs}
+    cross_device_ops = {
+        "auto": None,
+        "nccl": lambda: tf.distribute.NcclAllReduce(**packs),
+        "hierarchical_copy": lambda: tf.distribute.HierarchicalCopyAllReduce(**packs),
+        "one_device": lambda: tf.distribute.ReductionToOneDevice(),
+    }[all_reduce]
+    return tf.distribute.MirroredStrategy(
+        devices=devices, cross_device_ops=cross_device_ops() if cross_device_ops else None
+    )
+
+
+def _multi_worker_cluster(cluster: Any, connect_timeout_s: float):
+    """Finds and checks the cluster; waits for every peer. Returns (Cluster, resolver)."""
+    found = cluster if isinstance(cluster, cluster_lib.Cluster) else cluster_lib.find_cluster(cluster)
+    if found is None:
+        return None, None
+    runtime.ensure_not_started("A multi-worker strategy (its collectives and server)")
+    if found.num_tasks > 1:
+        preflight.wait_for_peers(found, timeout_s=connect_timeout_s)
+    is_resolver = hasattr(cluster, "cluster_spec") and not isinstance(cluster, cluster_lib.Cluster)
+    return found, (cluster if is_resolver else found.resolver())
+
+
+def _build_multi_worker_mirrored(*, devices, all_reduce, num_packs, cluster, timeout_s,
+                                 connect_timeout_s, **_):
+    import tensorflow as tf
+
+    _refuse_options("multi_worker_mirrored", devices=devices, num_packs=num_packs)
+    if all_reduce in ("hierarchical_copy", "one_device"):
+        raise StrategyOptionError(
+            f"all_reduce={all_reduce!r} is a mirrored (single-machine) option. For "
+            "multi_worker_mirrored use 'auto', 'ring' or 'nccl'."
+        )
+    implementation = {
+        "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+        "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+        "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
+    }[all_reduce]
+    options = tf.distribute.experimental.CommunicationOptions(
+        implementation=implementation, timeout_seconds=timeout_s
+    )
+    found, resolver = _multi_worker_cluster(cluster, connect_timeout_s)
+    if found is not None and found.has_ps:
+        raise StrategyOptionError(
+            f"{found.source} has a 'ps' job, which multi_worker_mirrored does not use. Use "
+            "'parameter_server' (or 'auto'), or remove the ps job."
+        )
+    if found is None:
+        runtime.ensure_not_started("multi_worker_mirrored (its collective ops)")
+    return tf.distribute.MultiWorkerMirroredStrategy(
+        cluster_resolver=resolver, communication_options=options
+    )
+
+
+def _build_parameter_server(*, devices, all_reduce, num_packs, cluster, timeout_s,
+                            connect_timeout_s, variable_partitioner, **_):
+    import tensorflow as tf
+
+    _refuse_options("parameter_server", devices=devices, all_reduce=all_reduce,
+                    num_packs=num_packs, timeout_s=timeout_s)
+    found, resolver = _multi_worker_cluster(cluster, connect_timeout_s)
+    if found is None or not found.has_ps:
+        raise StrategyOptionError(
+            "parameter_server needs a cluster with 'chief', 'worker' and 'ps' jobs (from "
+            "TF_CONFIG, SLURM or cluster=...). Start one locally with "
+            "`tfpar-launch --chief --workers 2 --ps 1 -- python your_script.py`."
+        )
+    if found.task_type in ("worker", "ps"):
+        _serve_forever(found, resolver)
+    return tf.distribute.experimental.ParameterServerStrategy(
+        resolver, variable_partitioner=variable_partitioner
+    )
+
+
+def _serve_forever(found: cluster_lib.Cluster, resolver) -> None:
+    """Worker and ps tasks of a parameter-server cluster only serve the chief."""
+    import tensorflow as tf
+
+    server = tf.distribute.Server(
+        resolver.cluster_spec(), job_name=found.task_type, task_index=found.task_index,
+        protocol=found.rpc_layer, start=True,
+    )
+    print(f"tfpar: {found.task_type}[{found.task_index}] serving at {found.address}; "
+          "waiting for the chief.", flush=True)
+    server.join()
+
+
+def _build_tpu(*, devices, all_reduce, num_packs, tpu, timeout_s, **_):
+    import tensorflow as tf
+
+    _refuse_options("tpu", devices=devices, all_reduce=all_reduce, num_packs=num_packs,
+                    timeout_s=timeout_s)
+    return tf.distribute.TPUStrategy(tpu_lib.connect_tpu(tpu))
+
+
+_BUILDERS = {
+    "default": _build_default,
+    "one_device": _build_one_device,
+    "mirrored": _build_mirrored,
+    "multi_worker_mirrored": _build_multi_worker_mirrored,
+    "parameter_server": _build_parameter_server,
+    "tpu": _build_tpu,
+}
