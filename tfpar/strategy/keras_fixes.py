@@ -3,13 +3,17 @@
 `create_strategy` applies them; `apply()` is idempotent and `revert()` undoes them (tests
 use it to show each fix is needed). Each fix is scoped to the one call it mends.
 
-1. MultiWorkerMirroredStrategy fails at the first batch (keras#20585).
-   `TensorFlowTrainer._maybe_symbolic_build` builds the model from one batch and gets it
-   with `strategy.reduce("MEAN", batch)`, handing the whole nested batch to one
-   reduction; the multi-worker strategy does not map over nests ("Attempt to convert a
-   value (PerReplica...) with an unsupported type"). Building needs shapes only, so the
-   fix makes that one `reduce` return the first local replica's value of each leaf: no
-   cross-worker traffic, same shapes as before.
+1. MultiWorkerMirroredStrategy fails at the first batch (keras#20585), twice over.
+   a) `TensorFlowTrainer._maybe_symbolic_build` builds the model from one batch and gets
+      it with `strategy.reduce("MEAN", batch)`, handing the whole nested batch to one
+      reduction; the multi-worker strategy does not map over nests ("Attempt to convert
+      a value (PerReplica...) with an unsupported type"). Building needs shapes only, so
+      the fix makes that one `reduce` return the first local replica's value of each
+      leaf: no cross-worker traffic, same shapes as before.
+   b) The step's logs (scalar loss and metrics) are then reduced with
+      `strategy.reduce("MEAN", v, axis=0)`, which fails on a scalar ("Invalid reduction
+      dimension 0 for input with 0 dimensions"). The fix reduces scalars with
+      axis=None (the mean over replicas, which is what the other strategies compute).
 
 2. MirroredStrategy with `steps_per_execution > 1` fails ("You must feed a value for
    placeholder tensor ... while/cond/Placeholder"). Keras wraps its per-step function in
@@ -40,7 +44,7 @@ from keras.src.backend.tensorflow import trainer as tf_trainer
 from tfpar.errors import UnsupportedStrategyError
 
 _Trainer = tf_trainer.TensorFlowTrainer
-_ORIGINALS: dict[str, object] = {}
+_ORIGINALS: dict[tuple[object, str], object] = {}
 
 #: Keras releases in which the three problems above were reproduced (3.5 - 3.15).
 AFFECTED_KERAS = ((3, 5), (4, 0))
@@ -65,17 +69,17 @@ def apply() -> bool:
     """Installs the fixes on Keras's TensorFlow trainer; returns whether they are active."""
     if is_applied() or not is_affected():
         return is_applied()
-    for name, fixed in _FIXES.items():
-        original = getattr(_Trainer, name)
-        _ORIGINALS[name] = original
-        setattr(_Trainer, name, fixed(original))
+    for owner, name, fixed in _FIXES:
+        original = getattr(owner, name)
+        _ORIGINALS[(owner, name)] = original
+        setattr(owner, name, fixed(original))
     return True
 
 
 def revert() -> None:
     """Restores Keras's own methods (for tests that show a fix is needed)."""
-    for name, original in _ORIGINALS.items():
-        setattr(_Trainer, name, original)
+    for (owner, name), original in _ORIGINALS.items():
+        setattr(owner, name, original)
     _ORIGINALS.clear()
 
 
@@ -111,6 +115,24 @@ def _fix_symbolic_build(original):
             return original(self, iterator=iterator, data_batch=data_batch)
 
     return _maybe_symbolic_build
+
+
+def _fix_reduce_per_replica(original):
+    @functools.wraps(original)
+    def reduce_per_replica(values, strategy, reduction):
+        if reduction not in ("auto", "mean") or not tf_trainer._collective_all_reduce_multi_worker(
+            strategy
+        ):
+            return original(values, strategy, reduction)
+
+        def reduce(value):
+            if getattr(_first_local_value(value), "shape", None) == ():
+                return strategy.reduce("MEAN", value, axis=None)
+            return original(value, strategy, reduction)
+
+        return tf.nest.map_structure(reduce, values)
+
+    return reduce_per_replica
 
 
 # -- 2. steps_per_execution > 1 under multi-replica strategies -----------------------
@@ -163,10 +185,11 @@ def _refuse_parameter_server(original):
     return method
 
 
-_FIXES = {
-    "_maybe_symbolic_build": _fix_symbolic_build,
-    "_make_function": _fix_make_function,
-    "fit": _refuse_parameter_server,
-    "evaluate": _refuse_parameter_server,
-    "predict": _refuse_parameter_server,
-}
+_FIXES = (
+    (_Trainer, "_maybe_symbolic_build", _fix_symbolic_build),
+    (tf_trainer, "reduce_per_replica", _fix_reduce_per_replica),
+    (_Trainer, "_make_function", _fix_make_function),
+    (_Trainer, "fit", _refuse_parameter_server),
+    (_Trainer, "evaluate", _refuse_parameter_server),
+    (_Trainer, "predict", _refuse_parameter_server),
+)

@@ -1,0 +1,223 @@
+"""Local multi-process runs, like torchrun for TensorFlow.
+
+    python -m tfpar.launch --workers 2 -- python -m tfpar.train --config=configs/gpt_tiny.py
+    tfpar-launch --chief --workers 2 --ps 1 -- python my_ps_script.py
+
+Picks free ports on 127.0.0.1, gives each process its TF_CONFIG, prefixes every output
+line with its task (`[worker:1] ...`), pins CPUs when asked, stops the whole group with a
+non-zero exit as soon as any task fails, and passes Ctrl-C / SIGTERM on to every task.
+
+Local runs bind to 127.0.0.1 only: TensorFlow's gRPC server authenticates nobody, so a
+cluster must only ever run on a network you trust.
+
+Example (Python):
+    >>> from tfpar.launch import launch
+    >>> launch(["python", "train.py"], workers=2)      # returns the group's exit code
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Sequence, TextIO
+
+HOST = "127.0.0.1"
+GRACE_S = 10.0
+
+
+def free_ports(count: int, host: str = HOST) -> list[int]:
+    """`count` distinct ports that are free right now on `host`."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host, 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def cluster_spec(workers: int, ps: int = 0, chief: bool = False, host: str = HOST) -> dict:
+    """The cluster part of TF_CONFIG for a local group, on fresh free ports."""
+    counts = {"chief": int(chief), "worker": workers, "ps": ps}
+    ports = iter(free_ports(sum(counts.values()), host))
+    return {job: [f"{host}:{next(ports)}" for _ in range(n)] for job, n in counts.items() if n}
+
+
+class _Task:
+    def __init__(self, job: str, index: int, process: subprocess.Popen):
+        self.job, self.index, self.process = job, index, process
+        self.name = f"{job}:{index}"
+
+
+def _pump(stream, prefix: str, out: TextIO, lock: threading.Lock) -> None:
+    for line in iter(stream.readline, ""):
+        with lock:
+            out.write(f"{prefix} {line}" if line.endswith("\n") else f"{prefix} {line}\n")
+            out.flush()
+    stream.close()
+
+
+def _cpu_sets(count: int, cpus_per_task: int | None) -> list[list[int] | None]:
+    if not cpus_per_task:
+        return [None] * count
+    available = sorted(os.sched_getaffinity(0))
+    return [
+        [available[(i * cpus_per_task + k) % len(available)] for k in range(cpus_per_task)]
+        for i in range(count)
+    ]
+
+
+def launch(
+    command: Sequence[str],
+    workers: int = 1,
+    ps: int = 0,
+    chief: bool = False,
+    cpus_per_worker: int | None = None,
+    env: dict | None = None,
+    out: TextIO | None = None,
+) -> int:
+    """Runs `command` once per task of a local cluster; returns the group's exit code.
+
+    0 when every chief/worker exits 0 (ps servers are then stopped); otherwise the
+    exit code of the first task that failed, after the others are stopped.
+    """
+    if not command:
+        raise SystemExit("tfpar-launch: no command given. Usage: tfpar-launch --workers 2 -- CMD ...")
+    if workers < 1 and not chief:
+        raise SystemExit("tfpar-launch: need at least one worker (--workers N) or --chief.")
+    if ps and not chief:
+        raise SystemExit(
+            "tfpar-launch: --ps needs --chief: parameter-server training is driven by a chief "
+            "(coordinator). Add --chief."
+        )
+    out = out or sys.stdout
+    cluster = cluster_spec(workers, ps, chief)
+    order = [(job, i) for job in ("chief", "worker", "ps") for i in range(len(cluster.get(job, [])))]
+    cpu_sets = _cpu_sets(len(order), cpus_per_worker)
+    lock = threading.Lock()
+    tasks: list[_Task] = []
+    pumps: list[threading.Thread] = []
+    base_env = dict(os.environ if env is None else env)
+    base_env.setdefault("PYTHONUNBUFFERED", "1")
+
+    for (job, index), cpus in zip(order, cpu_sets):
+        task_env = dict(base_env)
+        task_env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": job, "index": index}})
+        preexec = (lambda cpus=cpus: os.sched_setaffinity(0, cpus)) if cpus else None
+        process = subprocess.Popen(
+            list(command), env=task_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, text=True, bufsize=1, start_new_session=True,
+            preexec_fn=preexec,
+        )
+        task = _Task(job, index, process)
+        tasks.append(task)
+        thread = threading.Thread(target=_pump, args=(process.stdout, f"[{task.name}]", out, lock),
+                                  daemon=True)
+        thread.start()
+        pumps.append(thread)
+
+    # Under a ps cluster only the chief finishes; workers and ps serve until stopped.
+    drivers = [t for t in tasks if t.job == "chief"] if ps else [t for t in tasks if t.job != "ps"]
+    received: list[int] = []
+
+    def forward(signum, _frame):
+        received.append(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = _supervise(tasks, drivers, received, out, lock)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for thread in pumps:
+            thread.join(timeout=5)
+    return code
+
+
+def _supervise(tasks, drivers, received, out, lock) -> int:
+    def say(message: str) -> None:
+        with lock:
+            out.write(f"[tfpar-launch] {message}\n")
+            out.flush()
+
+    while True:
+        if received:
+            signum = received[0]
+            say(f"got {signal.Signals(signum).name}; passing it to every task.")
+            _stop(tasks, signum)
+            return 128 + signum
+        failed = [t for t in tasks if t.process.poll() not in (None, 0)]
+        if failed:
+            first = failed[0]
+            say(f"{first.name} exited with code {first.process.returncode}; stopping the group.")
+            _stop(tasks, signal.SIGTERM)
+            return first.process.returncode if first.process.returncode > 0 else 1
+        if all(t.process.poll() == 0 for t in drivers):
+            _stop([t for t in tasks if t.process.poll() is None], signal.SIGTERM)
+            return 0
+        stray = [t for t in tasks if t not in drivers and t.process.poll() == 0]
+        if stray and any(t.job == "ps" for t in stray):
+            say(f"{stray[0].name} exited early; stopping the group.")
+            _stop(tasks, signal.SIGTERM)
+            return 1
+        time.sleep(0.1)
+
+
+def _stop(tasks, signum: int) -> None:
+    for task in tasks:
+        if task.process.poll() is None:
+            try:
+                os.killpg(task.process.pid, signum)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + GRACE_S
+    for task in tasks:
+        try:
+            task.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(task.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            task.process.wait()
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="tfpar-launch",
+        description="Run a command as a local TensorFlow cluster (one process per task).",
+        epilog="Example: tfpar-launch --workers 2 -- python -m tfpar.train --config=configs/gpt_tiny.py",
+    )
+    parser.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
+    parser.add_argument("--ps", type=int, default=0, help="parameter-server processes (needs --chief)")
+    parser.add_argument("--chief", action="store_true", help="add a chief task")
+    parser.add_argument("--cpus-per-worker", type=int, default=None,
+                        help="pin each task to this many CPUs (round robin over the allowed CPUs)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
+    args = parser.parse_args(argv)
+    if args.command and args.command[0] == "--":
+        args.command = args.command[1:]
+    if not args.command:
+        parser.error("no command given; put it after --, e.g. tfpar-launch --workers 2 -- python train.py")
+    return args
+
+
+def run(argv: Sequence[str] | None = None) -> None:
+    """Console entry point (`tfpar-launch`)."""
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    sys.exit(launch(args.command, workers=args.workers, ps=args.ps, chief=args.chief,
+                    cpus_per_worker=args.cpus_per_worker))
+
+
+if __name__ == "__main__":
+    run()
