@@ -7,7 +7,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import itertools
 from typing import Any, Sequence
 
 from absl import logging
@@ -177,9 +179,30 @@ def _build_mirrored(*, devices, all_reduce, num_packs, timeout_s, **_):
         "hierarchical_copy": lambda: tf.distribute.HierarchicalCopyAllReduce(**packs),
         "one_device": lambda: tf.distribute.ReductionToOneDevice(),
     }[all_reduce]
-    return tf.distribute.MirroredStrategy(
-        devices=devices, cross_device_ops=cross_device_ops() if cross_device_ops else None
-    )
+    with _own_collective_keys(tf.distribute.MirroredStrategy):
+        return tf.distribute.MirroredStrategy(
+            devices=devices, cross_device_ops=cross_device_ops() if cross_device_ops else None
+        )
+
+
+_strategies_made = itertools.count(1)
+
+
+@contextlib.contextmanager
+def _own_collective_keys(strategy_class):
+    """Gives the next strategy its own range of collective group keys.
+
+    Every MirroredStrategy numbers its collective groups from 1, so a second one in the
+    same process over another device set joins group 1 with the wrong size ("joining a
+    group with size 4, but that group has size 2"). TensorFlow offers the class
+    attribute `_collective_key_base` for exactly this; each strategy gets its own base.
+    """
+    saved = strategy_class._collective_key_base  # pylint: disable=protected-access
+    strategy_class._collective_key_base = next(_strategies_made) * 10_000  # pylint: disable=protected-access
+    try:
+        yield
+    finally:
+        strategy_class._collective_key_base = saved  # pylint: disable=protected-access
 
 
 def _multi_worker_cluster(cluster: Any, connect_timeout_s: float):

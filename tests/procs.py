@@ -1,0 +1,36 @@
+"""Helpers that run Python in fresh processes (a new TensorFlow runtime each)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+def env(**extra: str) -> dict:
+    base = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG",)}
+    base.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
+    base.update(extra)
+    return base
+
+
+def run_python(args: list[str], timeout: float = 240, **extra_env: str) -> subprocess.CompletedProcess:
+    """Runs `python ARGS` with the repo importable; returns the completed process."""
+    return subprocess.run(
+        [sys.executable, *args], env=env(**extra_env), capture_output=True, text=True,
+        timeout=timeout, cwd=REPO,
+    )
+
+
+def launch(workers: int, script: str, *script_args: str, timeout: float = 300,
+           launch_args: tuple[str, ...] = (), **extra_env: str) -> subprocess.CompletedProcess:
+    """Runs tests/scripts/SCRIPT under `python -m tfpar.launch --workers N`."""
+    return run_python(
+        ["-m", "tfpar.launch", "--workers", str(workers), *launch_args, "--",
+         sys.executable, str(SCRIPTS / script), *script_args],
+        timeout=timeout, **extra_env,
+    )

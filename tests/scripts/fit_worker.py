@@ -1,0 +1,34 @@
+"""One worker of the multi-worker fit test: `fit` under multi_worker_mirrored.
+
+argv: INIT_WEIGHTS.npz OUT_DIR. First shows that Keras's own fit fails without tfpar's
+fix (keras#20585), then trains with it and saves this worker's final weights.
+"""
+
+import sys
+
+import numpy as np
+
+import tfpar
+
+strategy = tfpar.create_strategy("multi_worker_mirrored", connect_timeout_s=60)
+info = tfpar.describe(strategy)
+print(f"describe: {info}", flush=True)
+
+import fit_model  # noqa: E402
+from tfpar.strategy import keras_fixes  # noqa: E402
+
+init = np.load(sys.argv[1])
+weights = [init[f"w{i}"] for i in range(len(init.files))]
+
+keras_fixes.revert()
+try:
+    fit_model.train(strategy, weights, steps=1)
+    print("UNFIXED_FIT: passed", flush=True)
+except Exception as e:  # pylint: disable=broad-except
+    print(f"UNFIXED_FIT: failed {type(e).__name__}", flush=True)
+keras_fixes.apply()
+
+final, history = fit_model.train(strategy, weights)
+np.savez(f"{sys.argv[2]}/worker{info.task_index}.npz", *final)
+print(f"FIXED_FIT: ok loss={history['loss'][-1]:.6f} replicas={info.replicas} "
+      f"workers={info.num_workers} chief={info.is_chief}", flush=True)
