@@ -6,7 +6,12 @@ Example:
     >>> with strategy.scope():
     ...     model = keras.Sequential([...]); model.compile(...)
     >>> model.fit(dataset)
+
+`import tfpar` is light: TensorFlow loads on first use of what needs it, so
+`tfpar-launch` starts in a blink and nothing touches TensorFlow's runtime early.
 """
+
+import importlib
 
 from tfpar.errors import (
     ClusterConfigError,
@@ -18,12 +23,29 @@ from tfpar.errors import (
     UnknownStrategyError,
     UnsupportedStrategyError,
 )
-from tfpar.strategy import StrategyInfo, create_strategy, describe
 
 __version__ = "0.1.0"
 
+_LAZY = {
+    "create_strategy": "tfpar.strategy",
+    "describe": "tfpar.strategy",
+    "StrategyInfo": "tfpar.strategy",
+}
+
 __all__ = [
     "ClusterConfigError", "PeerUnreachableError", "RuntimeAlreadyStartedError",
-    "StrategyInfo", "StrategyOptionError", "TPUNotFoundError", "TfparError",
-    "UnknownStrategyError", "UnsupportedStrategyError", "create_strategy", "describe",
+    "StrategyOptionError", "TPUNotFoundError", "TfparError", "UnknownStrategyError",
+    "UnsupportedStrategyError", *_LAZY,
 ]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'tfpar' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,0 +1,140 @@
+"""create_strategy: names, options, `auto`, describe, and the errors of each."""
+
+import json
+
+import pytest
+import tensorflow as tf
+
+import tfpar
+from tfpar.strategy import factory, keras_fixes, tpu as tpu_lib
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("default", "default"), ("OFF", "default"), ("one_device", "one_device"),
+    ("Mirrored", "mirrored"), ("mwms", "multi_worker_mirrored"),
+    ("multi-worker-mirrored", "multi_worker_mirrored"), ("PS", "parameter_server"),
+    ("tpu", "tpu"), (" auto ", "auto"),
+])
+def test_names_and_aliases(name, expected):
+    assert factory.normalize_name(name) == expected
+
+
+@pytest.mark.parametrize("name,suggestion", [("mirored", "mirrored"), ("one-devic", "one_device"),
+                                             ("paramserver", "parameter_server")])
+def test_unknown_name_lists_all_and_suggests_the_closest(name, suggestion):
+    with pytest.raises(tfpar.UnknownStrategyError) as info:
+        tfpar.create_strategy(name)
+    message = str(info.value)
+    assert f"Did you mean {suggestion!r}" in message
+    for known in factory.STRATEGY_NAMES:
+        assert known in message
+
+
+def test_describe_each_local_kind():
+    mirrored = tfpar.describe(tfpar.create_strategy("mirrored"))
+    assert (mirrored.kind, mirrored.replicas, mirrored.num_workers) == ("mirrored", 4, 1)
+    assert mirrored.is_chief and mirrored.task_type is None
+    assert [d.rsplit(":", 1)[-1] for d in mirrored.devices] == ["0", "1", "2", "3"]
+    one = tfpar.describe(tfpar.create_strategy("one_device", devices=["/cpu:1"]))
+    assert (one.kind, one.replicas) == ("one_device", 1) and one.devices[0].endswith("CPU:1")
+    assert tfpar.describe(tfpar.create_strategy("off")).kind == "default"
+    assert keras_fixes.is_applied()
+
+
+def test_all_reduce_options_map_to_cross_device_ops():
+    strategy = tfpar.create_strategy("mirrored", devices=["/cpu:0", "/cpu:1"],
+                                     all_reduce="hierarchical_copy", num_packs=2)
+    ops = strategy.extended._cross_device_ops  # pylint: disable=protected-access
+    assert isinstance(ops, tf.distribute.HierarchicalCopyAllReduce)
+    strategy = tfpar.create_strategy("mirrored", devices=["/cpu:0", "/cpu:1"], all_reduce="one_device")
+    assert isinstance(strategy.extended._cross_device_ops, tf.distribute.ReductionToOneDevice)  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("name,options,message", [
+    ("mirrored", {"all_reduce": "nccl"}, "needs GPUs"),
+    ("mirrored", {"all_reduce": "ring"}, "collective ring of multi_worker_mirrored"),
+    ("mirrored", {"all_reduce": "rign"}, "Did you mean 'ring'"),
+    ("mirrored", {"timeout_s": 5}, "timeout_s do not apply"),
+    ("one_device", {"devices": ["/cpu:0", "/cpu:1"]}, "exactly one device"),
+    ("default", {"all_reduce": "nccl"}, "all_reduce do not apply"),
+    ("mwms", {"all_reduce": "hierarchical_copy"}, "mirrored \\(single-machine\\) option"),
+    ("mirrored", {"num_packs": -1}, "num_packs must be"),
+])
+def test_options_that_do_not_fit_are_refused(name, options, message):
+    with pytest.raises(tfpar.StrategyOptionError, match=message):
+        tfpar.create_strategy(name, **options)
+
+
+def test_virtual_devices_after_start_says_it_is_too_late():
+    assert tfpar.create_strategy("mirrored", virtual_devices=4).num_replicas_in_sync == 4
+    with pytest.raises(tfpar.RuntimeAlreadyStartedError, match="before TensorFlow starts"):
+        tfpar.create_strategy("mirrored", virtual_devices=2)
+
+
+def test_multi_worker_after_start_says_it_is_too_late(monkeypatch):
+    config = {"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker", "index": 0}}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(config))
+    with pytest.raises(tfpar.RuntimeAlreadyStartedError, match="restart the Python process"):
+        tfpar.create_strategy("multi_worker_mirrored")
+
+
+def test_bad_tf_config_fails_before_any_strategy_exists(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker", "index": 3}}')
+    with pytest.raises(tfpar.ClusterConfigError, match="out of range"):
+        tfpar.create_strategy("auto")
+
+
+def test_parameter_server_without_a_cluster_says_how_to_start_one(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(tfpar.StrategyOptionError, match="tfpar-launch --chief --workers 2 --ps 1"):
+        tfpar.create_strategy("parameter_server")
+
+
+def test_missing_tpu_lists_what_was_tried(monkeypatch):
+    for var in ("COLAB_TPU_ADDR", "TPU_NAME", "TPU_ACCELERATOR_TYPE", "TPU_WORKER_ID"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(tpu_lib.glob, "glob", lambda pattern: [])
+    with pytest.raises(tfpar.TPUNotFoundError) as info:
+        tfpar.create_strategy("tpu")
+    message = str(info.value)
+    for tried in ("tpu='local'", "COLAB_TPU_ADDR", "TPU_NAME", "create_strategy('auto')"):
+        assert tried in message
+
+
+def test_named_tpu_that_does_not_answer_is_reported(monkeypatch):
+    def no_tpu(tpu):
+        raise ValueError(f"Could not find TPU {tpu}")
+
+    monkeypatch.setattr(tf.distribute.cluster_resolver, "TPUClusterResolver", no_tpu)
+    with pytest.raises(tfpar.TPUNotFoundError, match="tpu='my-tpu'.*Could not find TPU my-tpu"):
+        tfpar.create_strategy("tpu", tpu="my-tpu")
+
+
+def test_tpu_candidates_in_order():
+    environ = {"COLAB_TPU_ADDR": "10.0.0.2:8470", "TPU_NAME": "pod"}
+    names = [name for name, _ in tpu_lib.tpu_candidates(None, environ)]
+    assert names[-2:] == ["grpc://10.0.0.2:8470", "pod"]
+    assert tpu_lib.tpu_candidates("local", environ) == [("local", "tpu='local' was given")]
+
+
+@pytest.mark.parametrize("environ,expected", [
+    ({}, "one_device"),
+    ({"TF_CONFIG": json.dumps({"cluster": {"worker": ["h0:1", "h1:1"]},
+                               "task": {"type": "worker", "index": 0}})}, "multi_worker_mirrored"),
+    ({"TF_CONFIG": json.dumps({"cluster": {"chief": ["h0:1"], "worker": ["h1:1"], "ps": ["h2:1"]},
+                               "task": {"type": "chief", "index": 0}})}, "parameter_server"),
+    ({"TF_CONFIG": json.dumps({"cluster": {"worker": ["h0:1"]},
+                               "task": {"type": "worker", "index": 0}})}, "one_device"),
+    ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "n[1-2]",
+      "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_PROCID": "0"}, "multi_worker_mirrored"),
+    ({"COLAB_TPU_ADDR": "10.0.0.2:8470"}, "tpu"),
+])
+def test_auto_decides_from_what_is_there(monkeypatch, environ, expected):
+    for var in ("TF_CONFIG", "COLAB_TPU_ADDR", "TPU_NAME", "TPU_ACCELERATOR_TYPE", "TPU_WORKER_ID",
+                "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in environ.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setattr(tpu_lib.glob, "glob", lambda pattern: [])
+    kind, _, reason = factory._decide(None, None)  # pylint: disable=protected-access
+    assert kind == expected and reason
