@@ -1,0 +1,68 @@
+"""GPT: a decoder-only causal language model.
+
+Example:
+    >>> model = GPT.from_preset("tiny", vocab_size=256, max_len=128)
+    >>> logits = model(token_ids)        # [batch, seq, vocab], position t sees tokens <= t
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import keras
+
+from tfpar.models.blocks import PACKAGE, FeedForwardStage, SelfAttentionStage, TokenEmbedding
+from tfpar.models.heads import LMHead
+from tfpar.models.staged import Stage, StagedModel
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256
+    max_len: int = 128
+    dim: int = 128
+    depth: int = 2
+    heads: int = 4
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+    tie_embeddings: bool = False
+
+
+def transformer_stages(config, causal: bool) -> list[Stage]:
+    """The attention and feed-forward stages of `config.depth` blocks."""
+    stages = []
+    for i in range(config.depth):
+        stages.append(Stage(f"blocks.{i}.attn", SelfAttentionStage(
+            config.dim, config.heads, config.dropout, causal=causal, name=f"block_{i}_attn")))
+        stages.append(Stage(f"blocks.{i}.mlp", FeedForwardStage(
+            config.dim, config.dim * config.mlp_ratio, config.dropout, name=f"block_{i}_mlp")))
+    return stages
+
+
+@keras.saving.register_keras_serializable(PACKAGE)
+class GPT(StagedModel):
+    """Decoder-only transformer LM: token+position embedding, causal pre-norm blocks, LM head."""
+
+    presets = {
+        "tiny": dict(dim=128, depth=2, heads=4, max_len=128),
+        "small": dict(dim=384, depth=6, heads=6, max_len=256),
+        "base": dict(dim=768, depth=12, heads=12, max_len=1024),
+    }
+
+    def __init__(self, vocab_size=256, max_len=128, dim=128, depth=2, heads=4, mlp_ratio=4,
+                 dropout=0.0, tie_embeddings=False, name="gpt", **kwargs):
+        config = GPTConfig(vocab_size, max_len, dim, depth, heads, mlp_ratio, dropout, tie_embeddings)
+        super().__init__(config, name=name, **kwargs)
+        self.embed = TokenEmbedding(vocab_size, max_len, dim, dropout, name="embed")
+        self.blocks = transformer_stages(config, causal=True)
+        self.head = LMHead(vocab_size, self.embed.tokens if tie_embeddings else None, name="head")
+        self._stage_list = [Stage("embed", self.embed), *self.blocks, Stage("head", self.head)]
+        self.build((None, max_len))
+
+    def build(self, input_shape):
+        shape = tuple(input_shape)
+        self.embed.build(shape)
+        for stage in self.blocks:
+            stage.layer.build(shape + (self.config.dim,))
+        self.head.build(shape + (self.config.dim,))
+        self.built = True

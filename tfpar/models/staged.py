@@ -1,0 +1,69 @@
+"""StagedModel: a Keras model that is a chain of named stages, ready to be split.
+
+`model.stages()` lists (name, layer) in order: `embed`, `blocks.0.attn`, `blocks.0.mlp`,
+..., `head`. `call` applies them one after the other, so any cut of that list is a valid
+pipeline: stage i's output is stage i+1's input. `stage_groups()` gives whole blocks.
+
+Example:
+    >>> [name for name, _ in GPT.from_preset("tiny").stages()][:3]
+    ['embed', 'blocks.0.attn', 'blocks.0.mlp']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import keras
+
+
+class Stage(NamedTuple):
+    name: str
+    layer: keras.layers.Layer
+
+
+class StagedModel(keras.Model):
+    """Base class: subclasses set `self._stage_list` (a list of Stage) in __init__."""
+
+    config_class: type = None  # the dataclass of the subclass's hyper-parameters
+    presets: dict = {}
+
+    def __init__(self, config, **kwargs):
+        super().__init__(**kwargs)
+        self.config = config
+        self._stage_list: list[Stage] = []
+
+    @classmethod
+    def from_preset(cls, preset: str, **overrides):
+        """Builds a model from a named size (`tiny`, `small`, `base`), fields overridden."""
+        if preset not in cls.presets:
+            raise ValueError(
+                f"Unknown {cls.__name__} preset {preset!r}; choose one of {', '.join(cls.presets)} "
+                "or give the fields explicitly."
+            )
+        return cls(**{**cls.presets[preset], **overrides})
+
+    def stages(self) -> list[Stage]:
+        """The model's ordered stages, at sub-block granularity."""
+        return list(self._stage_list)
+
+    def stage_groups(self) -> list[list[Stage]]:
+        """Stages grouped by block: [embed], [blocks.0.attn, blocks.0.mlp], ..., [head]."""
+        groups: dict[str, list[Stage]] = {}
+        for stage in self._stage_list:
+            key = ".".join(stage.name.split(".")[:2])
+            groups.setdefault(key, []).append(stage)
+        return list(groups.values())
+
+    def call(self, inputs, training=None):
+        h = inputs
+        for stage in self._stage_list:
+            h = stage.layer(h, training=training)
+        return h
+
+    def get_config(self):
+        return {**dataclasses.asdict(self.config), "name": self.name}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
