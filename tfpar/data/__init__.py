@@ -1,0 +1,29 @@
+"""Datasets: the embedded stdlib corpus, algorithmic tasks, TFDS, and their distribution."""
+
+from tfpar.data.corpus import text_corpus, unigram_entropy
+from tfpar.data.pipeline import distribute_eval, distribute_train, per_replica_batch_size
+from tfpar.data.source import Shard, Source, Splits
+from tfpar.data.tasks import majority_task, reverse_task
+from tfpar.data.tfds_source import tfds_splits
+
+
+def load(name: str, seq_len: int = 128, files: str | None = None, data_dir: str | None = None,
+         seed: int = 0, **task_args) -> Splits:
+    """Splits for a data name: 'corpus', 'task:reverse', 'task:majority' or 'tfds:NAME[:CONFIG]'."""
+    if name == "corpus":
+        return text_corpus(seq_len, files=files, seed=seed)
+    if name == "task:reverse":
+        return reverse_task(seed=seed, **task_args)
+    if name == "task:majority":
+        return majority_task(seed=seed, **task_args)
+    if name.startswith("tfds:"):
+        return tfds_splits(name, data_dir=data_dir, max_len=seq_len, seed=seed)
+    raise ValueError(
+        f"Unknown data.name {name!r}: use 'corpus', 'task:reverse', 'task:majority' or "
+        "'tfds:NAME[:CONFIG]'."
+    )
+
+
+__all__ = ["Shard", "Source", "Splits", "distribute_eval", "distribute_train", "load",
+           "majority_task", "per_replica_batch_size", "reverse_task", "text_corpus",
+           "tfds_splits", "unigram_entropy"]

@@ -1,0 +1,111 @@
+"""The one place a dataset becomes a distributed one.
+
+- global batch -> per-replica batch (a clear error when it does not divide);
+- `strategy.distribute_datasets_from_function`: one input pipeline per worker;
+- FILE sharding when the source has at least one file per pipeline, else DATA sharding,
+  with the reason logged;
+- `drop_remainder=True` for training (static shapes for TPUs and XLA), a start step to
+  resume at the exact data position;
+- evaluation that pads the last global batch with zero-weight examples, so every
+  validation example is counted exactly once on any number of replicas and workers.
+
+Example:
+    >>> train = distribute_train(strategy, splits.train, global_batch=64)
+    >>> valid, steps = distribute_eval(strategy, splits.validation, global_batch=64)
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import tensorflow as tf
+from absl import logging
+
+from tfpar.data.source import Shard, Source
+
+
+def per_replica_batch_size(global_batch: int, replicas: int) -> int:
+    if global_batch < 1 or global_batch % replicas:
+        raise ValueError(
+            f"Global batch {global_batch} does not divide over {replicas} replicas. Use a "
+            f"multiple of {replicas} (e.g. --config.train.batch_size="
+            f"{max(replicas, global_batch // replicas * replicas)})."
+        )
+    return global_batch // replicas
+
+
+def choose_shard(source: Source, context: tf.distribute.InputContext) -> Shard:
+    """FILE sharding when every pipeline can get its own files, else DATA sharding."""
+    num, index = context.num_input_pipelines, context.input_pipeline_id
+    if num == 1:
+        return Shard()
+    by_file = source.num_files >= num
+    reason = (f"{source.num_files} files >= {num} input pipelines" if by_file else
+              f"{source.num_files} files < {num} input pipelines: every pipeline reads all, keeps 1/{num}")
+    logging.info("tfpar: %s sharding for %s (%s).", "FILE" if by_file else "DATA", source.name, reason)
+    return Shard(num=num, index=index, by_file=by_file)
+
+
+def distribute_train(
+    strategy: tf.distribute.Strategy,
+    source: Source,
+    global_batch: int,
+    start_step: int = 0,
+    augment: Optional[Callable] = None,
+):
+    """An endless, distributed training dataset that starts at `start_step`."""
+    per_replica = per_replica_batch_size(global_batch, strategy.num_replicas_in_sync)
+
+    def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
+        dataset = source.build(choose_shard(source, context), training=True)
+        if augment is not None:
+            dataset = dataset.map(augment, num_parallel_calls=tf.data.AUTOTUNE)
+        dataset = dataset.batch(per_replica, drop_remainder=True)
+        replicas_here = strategy.num_replicas_in_sync // context.num_input_pipelines
+        if start_step:
+            dataset = dataset.skip(start_step * replicas_here)
+        return dataset.prefetch(tf.data.AUTOTUNE)
+
+    return strategy.distribute_datasets_from_function(dataset_fn)
+
+
+def _with_weight(*example):
+    if len(example) == 3:
+        return example
+    x, y = example
+    return x, y, tf.ones_like(y, dtype=tf.float32)
+
+
+def count_examples(dataset: tf.data.Dataset) -> int:
+    count = int(dataset.cardinality())
+    if count >= 0:
+        return count
+    return int(dataset.reduce(0, lambda n, _: n + 1))
+
+
+def distribute_eval(strategy: tf.distribute.Strategy, source: Source, global_batch: int):
+    """(distributed dataset of (x, y, weight), steps): each example exactly once.
+
+    The validation set is padded to a multiple of the global batch with copies of its
+    first example at weight 0, batched per replica, and the batches dealt out to the
+    input pipelines, so every pipeline runs the same number of steps.
+    """
+    per_replica = per_replica_batch_size(global_batch, strategy.num_replicas_in_sync)
+    examples = source.build(training=False).map(_with_weight)
+    count = count_examples(examples)
+    if count == 0:
+        raise ValueError(f"The validation set {source.name} is empty.")
+    steps = -(-count // global_batch)
+    padding = steps * global_batch - count
+
+    def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
+        dataset = source.build(training=False).map(_with_weight)
+        if padding:
+            filler = dataset.take(1).map(lambda x, y, w: (x, y, tf.zeros_like(w)))
+            dataset = dataset.concatenate(filler.repeat(padding))
+        dataset = dataset.batch(per_replica, drop_remainder=True)
+        if context.num_input_pipelines > 1:
+            dataset = dataset.shard(context.num_input_pipelines, context.input_pipeline_id)
+        return dataset.prefetch(tf.data.AUTOTUNE)
+
+    return strategy.distribute_datasets_from_function(dataset_fn), steps
