@@ -18,6 +18,7 @@ setup(
         "tensorflow-datasets",
         "numpy",
         "matplotlib",
+        "tensorboard",
     ],
     extras_require={
         "test": ["pytest>=7", "pytest-timeout"],

@@ -118,13 +118,13 @@ def test_tpu_candidates_in_order():
 
 
 @pytest.mark.parametrize("environ,expected", [
-    ({}, "one_device"),
+    ({}, "default"),
     ({"TF_CONFIG": json.dumps({"cluster": {"worker": ["h0:1", "h1:1"]},
                                "task": {"type": "worker", "index": 0}})}, "multi_worker_mirrored"),
     ({"TF_CONFIG": json.dumps({"cluster": {"chief": ["h0:1"], "worker": ["h1:1"], "ps": ["h2:1"]},
                                "task": {"type": "chief", "index": 0}})}, "parameter_server"),
     ({"TF_CONFIG": json.dumps({"cluster": {"worker": ["h0:1"]},
-                               "task": {"type": "worker", "index": 0}})}, "one_device"),
+                               "task": {"type": "worker", "index": 0}})}, "default"),
     ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "n[1-2]",
       "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_PROCID": "0"}, "multi_worker_mirrored"),
     ({"COLAB_TPU_ADDR": "10.0.0.2:8470"}, "tpu"),

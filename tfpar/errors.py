@@ -42,3 +42,7 @@ class TPUNotFoundError(TfparError, RuntimeError):
 
 class UnsupportedStrategyError(TfparError, RuntimeError):
     """A feature that cannot run under the active strategy (e.g. Keras fit under PS)."""
+
+
+class DataError(TfparError, ValueError):
+    """A dataset that cannot feed the run (unknown name, too small, batch does not divide)."""

@@ -37,12 +37,19 @@ def _batch_sums(model, x, y, w):
     ])
 
 
-def evaluate(model, strategy: tf.distribute.Strategy, dataset, steps: int) -> dict:
-    """Runs `steps` global batches of `dataset` (x, y, weight); returns exact metrics."""
+def evaluate(model, strategy: tf.distribute.Strategy, dataset, steps: int, xla: bool = False) -> dict:
+    """Runs `steps` global batches of `dataset` (x, y, weight); returns exact metrics.
+
+    `xla` compiles the forward pass on a single replica. With several replicas it stays
+    off: a jit-compiled replica function reads mirrored variables from the wrong device
+    ("Trying to access resource ... located in device CPU:1 from device CPU:0").
+    """
+    jit = xla and strategy.num_replicas_in_sync == 1
+    sums = tf.function(lambda batch: _batch_sums(model, *batch), jit_compile=jit)
 
     @tf.function
     def step(iterator):
-        per_replica = strategy.run(lambda batch: _batch_sums(model, *batch), args=(next(iterator),))
+        per_replica = strategy.run(sums, args=(next(iterator),))
         return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
     iterator = iter(dataset)

@@ -5,6 +5,7 @@ from tfpar.data.pipeline import distribute_eval, distribute_train, per_replica_b
 from tfpar.data.source import Shard, Source, Splits
 from tfpar.data.tasks import majority_task, reverse_task
 from tfpar.data.tfds_source import tfds_splits
+from tfpar.errors import DataError
 
 
 def load(name: str, seq_len: int = 128, files: str | None = None, data_dir: str | None = None,
@@ -18,7 +19,7 @@ def load(name: str, seq_len: int = 128, files: str | None = None, data_dir: str 
         return majority_task(seed=seed, **task_args)
     if name.startswith("tfds:"):
         return tfds_splits(name, data_dir=data_dir, max_len=seq_len, seed=seed)
-    raise ValueError(
+    raise DataError(
         f"Unknown data.name {name!r}: use 'corpus', 'task:reverse', 'task:majority' or "
         "'tfds:NAME[:CONFIG]'."
     )

@@ -21,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar.data.source import Shard, Source, Splits, shard_examples
+from tfpar.errors import DataError
 
 VOCAB_SIZE = 256
 VALIDATION_EVERY = 20
@@ -40,7 +41,7 @@ def stdlib_files() -> list[str]:
 def user_files(pattern: str) -> list[str]:
     files = sorted(f for f in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(f))
     if len(files) < 2:
-        raise ValueError(
+        raise DataError(
             f"data.files={pattern!r} matches {len(files)} file(s); the corpus needs at least 2 "
             "(one is held out for validation). Check the glob (use ** with quotes for subfolders)."
         )
@@ -64,7 +65,7 @@ def _read(files: list[str]) -> np.ndarray:
 
 def _windows(data: np.ndarray, seq_len: int) -> np.ndarray:
     if len(data) <= seq_len:
-        raise ValueError(f"The corpus has {len(data)} bytes, fewer than one window of {seq_len + 1}.")
+        raise DataError(f"The corpus has {len(data)} bytes, fewer than one window of {seq_len + 1}.")
     return np.lib.stride_tricks.sliding_window_view(data, seq_len + 1)[::seq_len].astype(np.int32)
 
 

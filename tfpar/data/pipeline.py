@@ -22,11 +22,12 @@ import tensorflow as tf
 from absl import logging
 
 from tfpar.data.source import Shard, Source
+from tfpar.errors import DataError
 
 
 def per_replica_batch_size(global_batch: int, replicas: int) -> int:
     if global_batch < 1 or global_batch % replicas:
-        raise ValueError(
+        raise DataError(
             f"Global batch {global_batch} does not divide over {replicas} replicas. Use a "
             f"multiple of {replicas} (e.g. --config.train.batch_size="
             f"{max(replicas, global_batch // replicas * replicas)})."
@@ -83,23 +84,29 @@ def count_examples(dataset: tf.data.Dataset) -> int:
     return int(dataset.reduce(0, lambda n, _: n + 1))
 
 
-def distribute_eval(strategy: tf.distribute.Strategy, source: Source, global_batch: int):
+def distribute_eval(strategy: tf.distribute.Strategy, source: Source, global_batch: int,
+                    limit: int = 0):
     """(distributed dataset of (x, y, weight), steps): each example exactly once.
 
     The validation set is padded to a multiple of the global batch with copies of its
     first example at weight 0, batched per replica, and the batches dealt out to the
-    input pipelines, so every pipeline runs the same number of steps.
+    input pipelines, so every pipeline runs the same number of steps. `limit` > 0 keeps
+    only the first `limit` validation examples (a fixed, deterministic subset).
     """
     per_replica = per_replica_batch_size(global_batch, strategy.num_replicas_in_sync)
-    examples = source.build(training=False).map(_with_weight)
-    count = count_examples(examples)
+
+    def examples() -> tf.data.Dataset:
+        dataset = source.build(training=False).map(_with_weight)
+        return dataset.take(limit) if limit > 0 else dataset
+
+    count = count_examples(examples())
     if count == 0:
-        raise ValueError(f"The validation set {source.name} is empty.")
+        raise DataError(f"The validation set {source.name} is empty.")
     steps = -(-count // global_batch)
     padding = steps * global_batch - count
 
     def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
-        dataset = source.build(training=False).map(_with_weight)
+        dataset = examples()
         if padding:
             filler = dataset.take(1).map(lambda x, y, w: (x, y, tf.zeros_like(w)))
             dataset = dataset.concatenate(filler.repeat(padding))

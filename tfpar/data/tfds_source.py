@@ -13,13 +13,14 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfpar.data.source import Shard, Source, Splits, shard_examples
+from tfpar.errors import DataError
 
 
 def parse_spec(spec: str) -> tuple[str, str | None]:
     """'tfds:NAME[:CONFIG]' -> (NAME, CONFIG or None)."""
     parts = spec.split(":")
     if parts[0] != "tfds" or len(parts) not in (2, 3) or not parts[1]:
-        raise ValueError(f"data.name={spec!r} is not 'tfds:NAME' or 'tfds:NAME:CONFIG'.")
+        raise DataError(f"data.name={spec!r} is not 'tfds:NAME' or 'tfds:NAME:CONFIG'.")
     return parts[1], (parts[2] if len(parts) == 3 else None)
 
 
@@ -48,7 +49,7 @@ def tfds_splits(spec: str, data_dir: str | None = None, max_len: int = 128,
     try:
         builder = tfds.builder(name, config=config, data_dir=data_dir)
     except Exception as e:  # pylint: disable=broad-except
-        raise ValueError(f"TFDS has no dataset {spec!r} ({str(e).splitlines()[0]}). "
+        raise DataError(f"TFDS has no dataset {spec!r} ({str(e).splitlines()[0]}). "
                          "Check the name with tfds.list_builders().") from None
     if not builder.is_prepared():
         builder.download_and_prepare()

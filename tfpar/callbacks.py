@@ -1,0 +1,102 @@
+"""Keras callbacks of the training binary: progress line, TensorBoard summaries, checkpoints.
+
+Example:
+    >>> progress = Progress(total_steps=600, start_step=0, units_per_step=4096, unit="tok")
+    >>> model.fit(..., callbacks=[progress, Summaries(writer, progress), Checkpointing(...)])
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import keras
+import tensorflow as tf
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+
+
+def current_learning_rate(optimizer) -> float:
+    lr = optimizer.learning_rate
+    return float(lr(optimizer.iterations) if callable(lr) else lr)
+
+
+class Progress(keras.callbacks.Callback):
+    """Every `log_every` steps: step, loss, throughput, learning rate, ETA (chief only)."""
+
+    def __init__(self, total_steps: int, start_step: int, steps_per_epoch: int, log_every: int,
+                 units_per_step: int, unit: str = "tok", verbose: bool = True, out=None):
+        super().__init__()
+        self.total_steps, self.step, self.steps_per_epoch = total_steps, start_step, steps_per_epoch
+        self.log_every, self.units_per_step, self.unit = log_every, units_per_step, unit
+        self.verbose, self.out = verbose, out or sys.stdout
+        self.last = {}
+
+    def on_train_begin(self, logs=None):
+        self._t0, self._start = time.perf_counter(), self.step
+        self._window_t, self._window_step = self._t0, self.step
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch_start = epoch * self.steps_per_epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        # Keras reports the last batch index of each execution (steps_per_execution).
+        self.step = self._epoch_start + batch + 1
+        if self.step % self.log_every == 0 or self.step == self.total_steps:
+            self.report(logs or {})
+
+    def report(self, logs):
+        now = time.perf_counter()
+        steps = self.step - self._window_step
+        rate = steps * self.units_per_step / max(now - self._window_t, 1e-9)
+        per_step = (now - self._t0) / max(self.step - self._start, 1)
+        eta = per_step * (self.total_steps - self.step)
+        self.last = {"step": self.step, "loss": float(logs.get("loss", float("nan"))),
+                     f"{self.unit}_per_s": rate,
+                     "learning_rate": current_learning_rate(self.model.optimizer)}
+        self._window_t, self._window_step = now, self.step
+        if self.verbose:
+            width = len(str(self.total_steps))
+            print(f"step {self.step:>{width}}/{self.total_steps} | loss {self.last['loss']:.4f} | "
+                  f"{rate:,.0f} {self.unit}/s | lr {self.last['learning_rate']:.2e} | "
+                  f"ETA {_duration(eta)}", file=self.out, flush=True)
+
+
+class Summaries(keras.callbacks.Callback):
+    """Writes what Progress measured to TensorBoard at each report."""
+
+    def __init__(self, writer, progress: Progress):
+        super().__init__()
+        self.writer, self.progress, self._written = writer, progress, -1
+
+    def on_train_batch_end(self, batch, logs=None):
+        last = self.progress.last
+        if last and last["step"] != self._written:
+            with self.writer.as_default(step=last["step"]):
+                tf.summary.scalar("train/loss", last["loss"])
+                tf.summary.scalar("train/learning_rate", last["learning_rate"])
+                tf.summary.scalar(f"train/{self.progress.unit}_per_s", last[f"{self.progress.unit}_per_s"])
+            self._written = last["step"]
+
+    def on_train_end(self, logs=None):
+        self.writer.flush()
+
+
+class Checkpointing(keras.callbacks.Callback):
+    """Saves a checkpoint at the end of every epoch (= every checkpoint_every steps)."""
+
+    def __init__(self, checkpoints, steps_per_epoch: int, say=print):
+        super().__init__()
+        self.checkpoints, self.steps_per_epoch, self.say = checkpoints, steps_per_epoch, say
+
+    def on_epoch_end(self, epoch, logs=None):
+        step = (epoch + 1) * self.steps_per_epoch
+        path = self.checkpoints.save(step)
+        if path:
+            self.say(f"checkpoint: {path}")

@@ -1,0 +1,119 @@
+"""The training config: its defaults, and the checks that name a bad key at start.
+
+Config files in configs/ start from `base_config()` and change what they need; the binary
+overrides any field with `--config.train.steps=2000` style flags. The dict is locked, so
+a misspelt key fails at start ("Key 'stepz' does not exist").
+
+Config files are Python code and run when loaded: load only files you trust.
+
+Example:
+    >>> config = base_config(); config.train.steps = 100
+    >>> validate(config)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_collections
+
+from tfpar.errors import TfparError
+
+
+class ConfigError(TfparError, ValueError):
+    """A config value that cannot work; the message names the key."""
+
+
+MODES = ("fit", "loop")
+PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
+SCHEDULES = ("cosine", "constant")
+
+
+def base_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.mode = "fit"                      # fit: Keras fit + injected strategy; loop: tfpar.Trainer
+    c.strategy = "auto"
+    c.strategy_args = ml_collections.ConfigDict(dict(
+        virtual_devices=0, all_reduce="auto", num_packs=1, tpu="", timeout_s=0.0,
+        connect_timeout_s=60.0))
+    c.precision = "float32"             # or mixed_bfloat16 / mixed_float16
+    c.seed = 0
+    c.model = "gpt"                     # gpt | encoder | vit
+    c.model_args = ml_collections.ConfigDict(dict(dim=128, depth=2, heads=4, mlp_ratio=4, dropout=0.0))
+    c.data = ml_collections.ConfigDict(dict(
+        name="corpus", files="", seq_len=128, data_dir="", augment=False))
+    c.train = ml_collections.ConfigDict(dict(
+        steps=600, batch_size=32, steps_per_loop=10, log_every=50, checkpoint_every=200,
+        eval_batch_size=64, eval_examples=0, xla=True))
+    c.optimizer = ml_collections.ConfigDict(dict(
+        name="adamw", learning_rate=3e-3, warmup_steps=60, schedule="cosine", min_lr_ratio=0.1,
+        weight_decay=0.01, momentum=0.9, beta_2=0.98, clip_norm=1.0, label_smoothing=0.0))
+    c.sample = ml_collections.ConfigDict(dict(prompt="def ", length=200, temperature=0.7))
+    return c
+
+
+def finalize(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Locks the config so that an override of a key that does not exist fails."""
+    config.lock()
+    return config
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"config.{key}: {message}")
+
+
+def validate(config) -> None:
+    """Raises ConfigError naming the first key whose value cannot work."""
+    from tfpar.models import MODELS
+    from tfpar.recipes import OPTIMIZERS
+    from tfpar.strategy.factory import normalize_name
+
+    _require(config.mode in MODES, "mode", f"{config.mode!r} is not one of {', '.join(MODES)}.")
+    try:
+        normalize_name(config.strategy)
+    except ValueError as e:
+        raise ConfigError(f"config.strategy: {e}") from None
+    _require(config.precision in PRECISIONS, "precision",
+             f"{config.precision!r} is not one of {', '.join(PRECISIONS)}.")
+    _require(config.model in MODELS, "model", f"{config.model!r} is not one of {', '.join(MODELS)}.")
+    fields = _model_fields(config.model)
+    for key in config.model_args:
+        _require(key in fields, f"model_args.{key}",
+                 f"{config.model} has no field {key!r}; its fields are {', '.join(sorted(fields))}.")
+    for key in ("dim", "depth", "heads"):
+        if key in config.model_args:
+            _require(config.model_args[key] > 0, f"model_args.{key}", "must be positive.")
+    if "dim" in config.model_args and "heads" in config.model_args:
+        _require(config.model_args.dim % config.model_args.heads == 0, "model_args.heads",
+                 f"dim {config.model_args.dim} is not divisible by heads {config.model_args.heads}.")
+    name = config.data.name
+    _require(name in ("corpus", "task:reverse", "task:majority") or name.startswith("tfds:"),
+             "data.name", f"{name!r}: use 'corpus', 'task:reverse', 'task:majority' or 'tfds:NAME[:CONFIG]'.")
+    _require(config.data.seq_len > 1, "data.seq_len", "must be at least 2.")
+    t = config.train
+    for key in ("steps", "batch_size", "steps_per_loop", "log_every", "checkpoint_every", "eval_batch_size"):
+        _require(isinstance(t[key], int) and t[key] > 0, f"train.{key}", f"must be a positive integer, got {t[key]!r}.")
+    _require(t.eval_examples >= 0, "train.eval_examples", "must be >= 0 (0 evaluates them all).")
+    _require(t.checkpoint_every % t.steps_per_loop == 0, "train.checkpoint_every",
+             f"{t.checkpoint_every} must be a multiple of train.steps_per_loop ({t.steps_per_loop}).")
+    _require(t.steps % t.checkpoint_every == 0, "train.steps",
+             f"{t.steps} must be a multiple of train.checkpoint_every ({t.checkpoint_every}).")
+    _require(t.log_every % t.steps_per_loop == 0, "train.log_every",
+             f"{t.log_every} must be a multiple of train.steps_per_loop ({t.steps_per_loop}).")
+    o = config.optimizer
+    _require(o.name in OPTIMIZERS, "optimizer.name", f"{o.name!r} is not one of {', '.join(OPTIMIZERS)}.")
+    _require(o.learning_rate > 0, "optimizer.learning_rate", "must be positive.")
+    _require(o.schedule in SCHEDULES, "optimizer.schedule", f"{o.schedule!r} is not one of {', '.join(SCHEDULES)}.")
+    _require(o.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0.")
+    _require(o.clip_norm >= 0, "optimizer.clip_norm", "must be >= 0 (0 turns clipping off).")
+    _require(0 <= o.label_smoothing < 1, "optimizer.label_smoothing", "must be in [0, 1).")
+
+
+def _model_fields(model: str) -> set[str]:
+    from tfpar.models.encoder import EncoderConfig
+    from tfpar.models.gpt import GPTConfig
+    from tfpar.models.vit import ViTConfig
+
+    config_class = {"gpt": GPTConfig, "encoder": EncoderConfig, "vit": ViTConfig}[model]
+    return {f.name for f in dataclasses.fields(config_class)}

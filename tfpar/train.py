@@ -1,0 +1,183 @@
+"""The training binary: a config in, a trained model, eval and a sample out.
+
+    python -m tfpar.train --config=configs/gpt_tiny.py --workdir=/tmp/run
+    python -m tfpar.train --config=configs/gpt_tiny.py --config.strategy=mirrored \
+        --config.strategy_args.virtual_devices=2 --config.train.steps=2000 --workdir=/tmp/run
+    tfpar-launch --workers 2 -- tfpar-train --config=configs/gpt_tiny.py --workdir=/tmp/run
+
+Writes to the workdir: TensorBoard summaries (tensorboard/), checkpoints (checkpoints/,
+by the chief only), results.json (final eval) and sample.txt (a generated text sample).
+Run it again with the same workdir and it resumes from the newest checkpoint, at the
+same step and data position.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from tfpar.config import ConfigError, validate
+from tfpar.errors import TfparError
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, summaries and results.")
+
+
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def check_workdir(workdir: str) -> None:
+    """Creates `workdir` and proves it is writable, before anything expensive."""
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=workdir, prefix=".write_test_"):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"--workdir={workdir} is not writable ({e.strerror}). Pick a directory you can write "
+            "to, or fix its permissions / free space."
+        ) from None
+
+
+def _create_strategy(config):
+    import tfpar
+
+    args = config.strategy_args
+    return tfpar.create_strategy(
+        config.strategy,
+        virtual_devices=args.virtual_devices or None,
+        all_reduce=args.all_reduce,
+        num_packs=args.num_packs,
+        tpu=args.tpu or None,
+        timeout_s=args.timeout_s or None,
+        connect_timeout_s=args.connect_timeout_s,
+    )
+
+
+def train_and_evaluate(config, workdir: str) -> dict:
+    """Trains with Keras fit under the configured strategy; returns the final results."""
+    import keras
+    import tensorflow as tf
+
+    import tfpar
+    from tfpar import callbacks as cb
+    from tfpar import data as data_lib
+    from tfpar import recipes
+    from tfpar.checkpoints import Checkpoints
+    from tfpar.evaluate import evaluate
+    from tfpar.sampling import generate
+
+    strategy = _create_strategy(config)  # first: before anything touches TensorFlow
+    info = tfpar.describe(strategy)
+    say = _say if info.is_chief else (lambda message: None)
+    say(f"tfpar: {info.kind}, {info.replicas} replica(s), {info.num_workers} worker(s); "
+        f"workdir {workdir}")
+    if config.precision != "float32":
+        keras.mixed_precision.set_global_policy(config.precision)
+    keras.utils.set_random_seed(config.seed)
+
+    t = config.train
+    data_lib.per_replica_batch_size(t.batch_size, info.replicas)
+    splits = data_lib.load(config.data.name, seq_len=config.data.seq_len, files=config.data.files or None,
+                           data_dir=config.data.data_dir or None, seed=config.seed)
+    with strategy.scope():
+        model = recipes.build_model(config, splits.info)
+        optimizer = recipes.build_optimizer(config.optimizer, t.steps)
+        model.compile(optimizer=optimizer,
+                      loss=recipes.SmoothedSparseCrossentropy(config.optimizer.label_smoothing),
+                      steps_per_execution=t.steps_per_loop, jit_compile=t.xla)
+        optimizer.build(model.trainable_variables)
+        checkpoints = Checkpoints(workdir, info.is_chief, model=model, optimizer=optimizer)
+    say(f"model: {model.name}, {model.count_params():,} parameters, stages: "
+        f"{', '.join(name for name, _ in model.stages())}")
+
+    start = checkpoints.restore()
+    if start:
+        say(f"resuming from step {start} ({checkpoints.latest})")
+    augment = None
+    if config.data.augment and splits.info.get("kind") == "image":
+        augment = recipes.image_augmentation(splits.info["image_size"])
+    train_data = data_lib.distribute_train(strategy, splits.train, t.batch_size, start_step=start,
+                                           augment=augment)
+
+    lm = splits.info["kind"] == "lm"
+    units = t.batch_size * (config.data.seq_len if lm and config.data.name == "corpus" else 1)
+    unit = "tok" if lm and config.data.name == "corpus" else "ex"
+    summary_dir = os.path.join(workdir, "tensorboard") if info.is_chief else tempfile.mkdtemp()
+    writer = tf.summary.create_file_writer(summary_dir)
+    progress = cb.Progress(t.steps, start, t.checkpoint_every, t.log_every, units, unit,
+                           verbose=info.is_chief)
+    started = time.perf_counter()
+    if start < t.steps:
+        model.fit(
+            train_data, epochs=t.steps // t.checkpoint_every, initial_epoch=start // t.checkpoint_every,
+            steps_per_epoch=t.checkpoint_every, verbose=0,
+            callbacks=[progress, cb.Summaries(writer, progress), cb.Checkpointing(checkpoints, t.checkpoint_every, say)],
+        )
+    train_seconds = time.perf_counter() - started
+
+    eval_data, eval_steps = data_lib.distribute_eval(strategy, splits.validation, t.eval_batch_size,
+                                                     limit=t.eval_examples)
+    results = evaluate(model, strategy, eval_data, eval_steps, xla=t.xla)
+    results.update(step=t.steps, train_seconds=train_seconds,
+                   throughput=progress.last.get(f"{unit}_per_s"), throughput_unit=f"{unit}/s")
+    if lm and config.data.name == "corpus":
+        results["unigram_baseline"] = data_lib.unigram_entropy(splits.validation)
+    with writer.as_default(step=t.steps):
+        for key in ("loss", "perplexity", "accuracy", "exact"):
+            tf.summary.scalar(f"eval/{key}", results[key])
+    writer.flush()
+    say("eval: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                             for k, v in results.items()))
+
+    if lm and config.data.name == "corpus" and config.sample.length > 0:
+        sample = generate(model, config.sample.prompt, config.sample.length, config.data.seq_len,
+                          config.sample.temperature, seed=config.seed)
+        say("sample:\n" + sample)
+        if info.is_chief:
+            with open(os.path.join(workdir, "sample.txt"), "w", encoding="utf-8") as f:
+                f.write(sample)
+    if info.is_chief:
+        with open(os.path.join(workdir, "results.json"), "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+def main(argv) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+    config = _CONFIG.value
+    if config is None:
+        raise app.UsageError("--config is required, e.g. --config=configs/gpt_tiny.py")
+    workdir = _WORKDIR.value
+    if not workdir:
+        raise app.UsageError("--workdir is required, e.g. --workdir=/tmp/tfpar_run")
+    try:
+        validate(config)
+        if config.mode == "loop":
+            raise ConfigError(
+                "config.mode: 'loop' is reserved for tfpar's own training loop (tfpar.Trainer), "
+                "which is not built yet. Use --config.mode=fit."
+            )
+        check_workdir(workdir)
+        train_and_evaluate(config, workdir)
+    except TfparError as e:
+        logging.error("%s", e)
+        print(f"tfpar-train: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def run() -> None:
+    """Console entry point (`tfpar-train`)."""
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()
