@@ -44,6 +44,7 @@ class Progress(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_start = epoch * self.steps_per_epoch
+        self._mean_at, self._mean = 0, 0.0   # Keras logs the loss averaged since epoch start
 
     def on_train_batch_end(self, batch, logs=None):
         # Keras reports the last batch index of each execution (steps_per_execution).
@@ -51,13 +52,20 @@ class Progress(keras.callbacks.Callback):
         if self.step % self.log_every == 0 or self.step == self.total_steps:
             self.report(logs or {})
 
+    def _window_loss(self, epoch_mean: float) -> float:
+        """Mean loss of the steps since the last report, from Keras's running epoch mean."""
+        done = self.step - self._epoch_start
+        window = (epoch_mean * done - self._mean * self._mean_at) / max(done - self._mean_at, 1)
+        self._mean_at, self._mean = done, epoch_mean
+        return window
+
     def report(self, logs):
         now = time.perf_counter()
         steps = self.step - self._window_step
         rate = steps * self.units_per_step / max(now - self._window_t, 1e-9)
         per_step = (now - self._t0) / max(self.step - self._start, 1)
         eta = per_step * (self.total_steps - self.step)
-        self.last = {"step": self.step, "loss": float(logs.get("loss", float("nan"))),
+        self.last = {"step": self.step, "loss": self._window_loss(float(logs.get("loss", "nan"))),
                      f"{self.unit}_per_s": rate,
                      "learning_rate": current_learning_rate(self.model.optimizer)}
         self._window_t, self._window_step = now, self.step

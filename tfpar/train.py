@@ -153,7 +153,12 @@ def train_and_evaluate(config, workdir: str) -> dict:
 def main(argv) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
-    config = _CONFIG.value
+    try:
+        config = _CONFIG.value
+    except OSError as e:
+        print(f"tfpar-train: --config could not be loaded ({str(e).splitlines()[0]}). Check the "
+              "path, e.g. --config=configs/gpt_tiny.py.", file=sys.stderr)
+        sys.exit(2)
     if config is None:
         raise app.UsageError("--config is required, e.g. --config=configs/gpt_tiny.py")
     workdir = _WORKDIR.value
@@ -174,9 +179,24 @@ def main(argv) -> None:
         sys.exit(2)
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's parser, with config-override mistakes turned into one clear line."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        print(f"tfpar-train: {e}\nPass --helpfull for every flag.", file=sys.stderr)
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        detail = str(e).strip("'\"").replace("\\n", " ").replace("\n", " ").replace("\\'", "'")
+        overrides = [a for a in argv[1:] if a.startswith("--config.")]
+        print(f"tfpar-train: bad config override among {' '.join(overrides) or argv[1:]}: "
+              f"{detail}. Config keys are fixed by the config file; see configs/ or "
+              "tfpar/config.py for the keys.", file=sys.stderr)
+    sys.exit(2)
+
+
 def run() -> None:
     """Console entry point (`tfpar-train`)."""
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,118 @@
+"""The training binary: a real run, resume at the exact step, clear refusals, two workers."""
+
+import glob
+import json
+import os
+import runpy
+import tempfile
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from procs import REPO, run_python
+from tfpar.config import ConfigError, validate
+from tfpar.train import train_and_evaluate
+
+
+def load_config(name, **train):
+    config = runpy.run_path(str(REPO / "configs" / f"{name}.py"))["get_config"]()
+    config.train.update(train)
+    return config
+
+
+def test_every_config_file_is_valid():
+    for path in sorted(glob.glob(str(REPO / "configs" / "*.py"))):
+        validate(runpy.run_path(path)["get_config"]())
+
+
+def test_reverse_task_reaches_100_percent_and_writes_the_workdir(tmp_path):
+    config = load_config("reverse_tiny", steps=200, checkpoint_every=100, log_every=100)
+    results = train_and_evaluate(config, str(tmp_path))
+    assert results["exact"] == 1.0 and results["examples"] == 1000
+    assert json.loads((tmp_path / "results.json").read_text())["exact"] == 1.0
+    assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith("ckpt-200")
+    assert glob.glob(str(tmp_path / "tensorboard" / "events.out.tfevents.*"))
+
+
+def checkpoint_values(workdir):
+    path = tf.train.latest_checkpoint(os.path.join(workdir, "checkpoints"))
+    reader = tf.train.load_checkpoint(path)
+    names = sorted(n for n in reader.get_variable_to_shape_map() if "save_counter" not in n
+                   and not n.startswith("_CHECKPOINTABLE"))
+    return path, {n: reader.get_tensor(n) for n in names}
+
+
+def test_resume_continues_from_the_step_with_the_same_weights(tmp_path):
+    """Stopped at step 20 and restarted == uninterrupted, at the step-40 checkpoint."""
+    def config(steps):
+        c = load_config("reverse_tiny", steps=steps, checkpoint_every=20, log_every=20,
+                        steps_per_loop=10, eval_examples=100)
+        c.optimizer.schedule = "constant"
+        return c
+
+    train_and_evaluate(config(40), str(tmp_path / "straight"))
+    train_and_evaluate(config(20), str(tmp_path / "resumed"))
+    train_and_evaluate(config(40), str(tmp_path / "resumed"))
+    path_a, a = checkpoint_values(str(tmp_path / "straight"))
+    path_b, b = checkpoint_values(str(tmp_path / "resumed"))
+    assert path_a.endswith("ckpt-40") and path_b.endswith("ckpt-40") and a.keys() == b.keys() and a
+    for name in a:
+        np.testing.assert_allclose(b[name], a[name], rtol=1e-6, atol=1e-6, err_msg=name)
+
+
+def test_bad_values_name_their_key():
+    config = load_config("gpt_tiny")
+    config.train.steps = 601
+    with pytest.raises(ConfigError, match="config.train.steps: 601 must be a multiple"):
+        validate(config)
+    config = load_config("gpt_tiny")
+    config.model_args.heads = 5
+    with pytest.raises(ConfigError, match="config.model_args.heads"):
+        validate(config)
+    config = load_config("gpt_tiny")
+    config.strategy = "mirrord"
+    with pytest.raises(ConfigError, match="config.strategy: Unknown strategy 'mirrord'. Did you mean 'mirrored'"):
+        validate(config)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--config.train.stepz=5"], "stepz"),
+    (["--config.optimizer.name=adam"], "config.optimizer.name: 'adam' is not one of adamw, sgd, lamb"),
+    (["--config.mode=loop"], "'loop' is reserved for tfpar's own training loop"),
+    (["--workdir=/etc/hostname/run"], "is not writable"),
+])
+def test_the_binary_refuses_at_start_with_the_key(flags, message):
+    args = ["-m", "tfpar.train", "--config=configs/gpt_tiny.py", "--workdir=" + tempfile.mkdtemp()]
+    result = run_python(args + flags, timeout=120)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.multiprocess
+def test_two_workers_train_checkpoint_and_resume(tmp_path):
+    workdir = str(tmp_path / "run")
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "tfpar_ckpt_*")))
+
+    def run(steps):
+        return run_python(
+            ["-m", "tfpar.launch", "--workers", "2", "--", "python", "-m", "tfpar.train",
+             "--config=configs/reverse_tiny.py", f"--workdir={workdir}",
+             f"--config.train.steps={steps}", "--config.train.checkpoint_every=20",
+             "--config.train.log_every=20", "--config.train.eval_examples=200"],
+            timeout=300,
+        )
+
+    first = run(40)
+    assert first.returncode == 0, first.stdout[-3000:]
+    assert "[worker:0] tfpar: multi_worker_mirrored, 2 replica(s), 2 worker(s)" in first.stdout
+    assert "[worker:0] checkpoint:" in first.stdout and "[worker:1] checkpoint:" not in first.stdout
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints")))[0] == "checkpoint"
+    assert tf.train.latest_checkpoint(os.path.join(workdir, "checkpoints")).endswith("ckpt-40")
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "tfpar_ckpt_*"))) == before
+
+    second = run(60)
+    assert second.returncode == 0, second.stdout[-3000:]
+    assert "[worker:0] resuming from step 40" in second.stdout
+    assert "[worker:0] step 60/60" in second.stdout and "step 20/60" not in second.stdout
