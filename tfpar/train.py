@@ -155,6 +155,7 @@ def main(argv) -> None:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
     try:
         config = _CONFIG.value
+        config.mode  # noqa: B018  (a config file that failed to load raises here)
     except OSError as e:
         print(f"tfpar-train: --config could not be loaded ({str(e).splitlines()[0]}). Check the "
               "path, e.g. --config=configs/gpt_tiny.py.", file=sys.stderr)
