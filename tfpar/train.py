@@ -19,6 +19,8 @@ import sys
 import tempfile
 import time
 
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up chatter
+
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -153,6 +155,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
 def main(argv) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # our own progress lines say what matters
     try:
         config = _CONFIG.value
         config.mode  # noqa: B018  (a config file that failed to load raises here)

@@ -51,11 +51,3 @@ class EncoderClassifier(StagedModel):
         self.head = ClassifierHead(num_classes, dropout, name="head")
         self._stage_list = [Stage("embed", self.embed), *self.blocks, Stage("head", self.head)]
         self.build((None, max_len))
-
-    def build(self, input_shape):
-        shape = tuple(input_shape)
-        self.embed.build(shape)
-        for stage in self.blocks:
-            stage.layer.build(shape + (self.config.dim,))
-        self.head.build(shape + (self.config.dim,))
-        self.built = True

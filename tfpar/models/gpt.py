@@ -58,11 +58,3 @@ class GPT(StagedModel):
         self.head = LMHead(vocab_size, self.embed.tokens if tie_embeddings else None, name="head")
         self._stage_list = [Stage("embed", self.embed), *self.blocks, Stage("head", self.head)]
         self.build((None, max_len))
-
-    def build(self, input_shape):
-        shape = tuple(input_shape)
-        self.embed.build(shape)
-        for stage in self.blocks:
-            stage.layer.build(shape + (self.config.dim,))
-        self.head.build(shape + (self.config.dim,))
-        self.built = True

@@ -55,6 +55,14 @@ class StagedModel(keras.Model):
             groups.setdefault(key, []).append(stage)
         return list(groups.values())
 
+    def build(self, input_shape):
+        """Builds each stage on the output shape of the one before."""
+        shape = tuple(input_shape)
+        for stage in self._stage_list:
+            stage.layer.build(shape)
+            shape = tuple(stage.layer.compute_output_shape(shape))
+        self.built = True
+
     def call(self, inputs, training=None):
         h = inputs
         for stage in self._stage_list:

@@ -50,11 +50,3 @@ class ViT(StagedModel):
         self.head = ClassifierHead(num_classes, dropout, name="head")
         self._stage_list = [Stage("embed", self.embed), *self.blocks, Stage("head", self.head)]
         self.build((None, image_size, image_size, channels))
-
-    def build(self, input_shape):
-        self.embed.build(tuple(input_shape))
-        tokens = (input_shape[0], self.embed.num_patches + 1, self.config.dim)
-        for stage in self.blocks:
-            stage.layer.build(tokens)
-        self.head.build(tokens)
-        self.built = True
