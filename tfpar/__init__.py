@@ -30,6 +30,7 @@ _LAZY = {
     "create_strategy": "tfpar.strategy",
     "describe": "tfpar.strategy",
     "StrategyInfo": "tfpar.strategy",
+    "Trainer": "tfpar.loop",
 }
 
 __all__ = [

@@ -74,6 +74,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     from tfpar import recipes
     from tfpar.checkpoints import Checkpoints
     from tfpar.evaluate import evaluate
+    from tfpar.loop import Trainer
     from tfpar.sampling import generate
 
     strategy = _create_strategy(config)  # first: before anything touches TensorFlow
@@ -116,12 +117,17 @@ def train_and_evaluate(config, workdir: str) -> dict:
     writer = tf.summary.create_file_writer(summary_dir)
     progress = cb.Progress(t.steps, start, t.checkpoint_every, t.log_every, units, unit,
                            verbose=info.is_chief)
+    callbacks = [progress, cb.Summaries(writer, progress), cb.Checkpointing(checkpoints, t.checkpoint_every, say)]
     started = time.perf_counter()
-    if start < t.steps:
+    if start < t.steps and config.mode == "loop":
+        trainer = Trainer(model, optimizer, model.loss, strategy, steps_per_loop=t.steps_per_loop,
+                          xla=None if t.xla else False)
+        trainer.fit(train_data, t.steps, start_step=start, steps_per_epoch=t.checkpoint_every,
+                    callbacks=callbacks)
+    elif start < t.steps:
         model.fit(
             train_data, epochs=t.steps // t.checkpoint_every, initial_epoch=start // t.checkpoint_every,
-            steps_per_epoch=t.checkpoint_every, verbose=0,
-            callbacks=[progress, cb.Summaries(writer, progress), cb.Checkpointing(checkpoints, t.checkpoint_every, say)],
+            steps_per_epoch=t.checkpoint_every, verbose=0, callbacks=callbacks,
         )
     train_seconds = time.perf_counter() - started
 
@@ -171,11 +177,6 @@ def main(argv) -> None:
         raise app.UsageError("--workdir is required, e.g. --workdir=/tmp/tfpar_run")
     try:
         validate(config)
-        if config.mode == "loop":
-            raise ConfigError(
-                "config.mode: 'loop' is reserved for tfpar's own training loop (tfpar.Trainer), "
-                "which is not built yet. Use --config.mode=fit."
-            )
         check_workdir(workdir)
         train_and_evaluate(config, workdir)
     except TfparError as e:

@@ -1,0 +1,123 @@
+"""tfpar.Trainer: Keras fit's numbers, one all-reduce per step, accumulation, clipping."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpar
+from scripts import fit_model
+from tfpar.loop import Trainer
+
+TOL = 1e-5
+
+
+def crossentropy():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def mirrored(replicas):
+    return tfpar.create_strategy("mirrored", devices=[f"/cpu:{i}" for i in range(replicas)])
+
+
+def make_trainer(strategy, weights, clip=None, **options):
+    with strategy.scope():
+        model = fit_model.build_model()
+        model.set_weights(weights)
+        optimizer = keras.optimizers.SGD(learning_rate=0.1, momentum=0.9, global_clipnorm=clip)
+    return model, Trainer(model, optimizer, crossentropy(), strategy=strategy, **options)
+
+
+def batches(strategy, global_batch=fit_model.GLOBAL_BATCH):
+    """The 96 examples of fit_model.data(), batched by `global_batch`."""
+    x, y = fit_model.data()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch)
+    return strategy.experimental_distribute_dataset(dataset)
+
+
+def assert_same(actual, expected, tol=TOL):
+    for a, e in zip(actual, expected):
+        np.testing.assert_allclose(a, e, rtol=tol, atol=tol)
+
+
+@pytest.fixture(scope="module")
+def fit_reference():
+    weights = fit_model.initial_weights()
+    trained, history = fit_model.train(tf.distribute.get_strategy(), weights)
+    return weights, trained, history
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 4])
+def test_loop_matches_keras_fit(fit_reference, replicas):
+    weights, trained, history = fit_reference
+    strategy = mirrored(replicas)
+    model, trainer = make_trainer(strategy, weights, steps_per_loop=4)  # 6 steps = 4 + 2
+    logs = trainer.fit(batches(strategy), steps=fit_model.STEPS)
+    assert_same(model.get_weights(), trained)
+    np.testing.assert_allclose(logs["loss"], history["loss"][-1], rtol=TOL)
+
+
+def test_gradients_cross_the_wire_once(fit_reference):
+    """Collectives in the traced step: all in the aggregator, none in the optimizer."""
+    strategy = mirrored(2)
+    model, trainer = make_trainer(strategy, fit_reference[0])
+    ops = trainer.collective_ops(batches(strategy))
+    optimizer_scope = trainer.optimizer.name
+    assert ops and not [name for _, name in ops if f"{optimizer_scope}" in name.split("/")[1]]
+    dense = [name for kind, name in ops if kind == "CollectiveReduceV2"]
+    # one packed all-reduce of the dense gradients per replica (+ its size exchange); the
+    # embedding's sparse gradient goes by all-gather, also once.
+    assert len(dense) == strategy.num_replicas_in_sync
+
+    # Without tfpar's guard Keras's optimizer all-reduces the same gradients again.
+    with strategy.scope():
+        optimizer = keras.optimizers.SGD(learning_rate=0.1)
+        optimizer.build(model.trainable_variables)
+    doubled = Trainer.__new__(Trainer)
+    doubled.__dict__.update(trainer.__dict__, optimizer=optimizer)
+    doubled._train_loop = tf.function(doubled._train_loop_fn)  # pylint: disable=protected-access
+    assert len(doubled.collective_ops(batches(strategy))) == 2 * len(ops)
+
+
+def test_accumulating_k_batches_equals_one_k_times_larger_batch(fit_reference):
+    weights = fit_reference[0]
+    strategy = mirrored(2)
+    model_big, big = make_trainer(strategy, weights)
+    big.fit(batches(strategy, global_batch=32), steps=3)
+    model_acc, accumulated = make_trainer(strategy, weights, accumulate=2, steps_per_loop=3)
+    accumulated.fit(batches(strategy, global_batch=16), steps=3)
+    assert_same(model_acc.get_weights(), model_big.get_weights())
+
+
+def test_global_norm_clipping_equals_the_one_device_clip(fit_reference):
+    weights = fit_reference[0]
+    one = tf.distribute.get_strategy()
+    model_one, trainer_one = make_trainer(one, weights, clip=0.05)
+    trainer_one.fit(one.experimental_distribute_dataset(fit_model.dataset()), steps=fit_model.STEPS)
+    model_two, trainer_two = make_trainer(mirrored(2), weights, clip=0.05)
+    trainer_two.fit(batches(trainer_two.strategy), steps=fit_model.STEPS)
+    assert_same(model_two.get_weights(), model_one.get_weights())
+    _, trained, _ = fit_reference
+    assert max(np.abs(a - b).max() for a, b in zip(model_one.get_weights(), trained)) > 1e-3
+
+
+def test_bf16_trains_the_reverse_task_to_100_percent(tmp_path):
+    import runpy
+    from procs import REPO
+    from tfpar.train import train_and_evaluate
+
+    config = runpy.run_path(str(REPO / "configs" / "reverse_tiny.py"))["get_config"]()
+    config.mode, config.precision = "loop", "mixed_bfloat16"
+    config.train.update(dict(steps=300, checkpoint_every=100, log_every=100))
+    try:
+        results = train_and_evaluate(config, str(tmp_path))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert results["exact"] == 1.0
+
+
+def test_bad_options_are_refused(fit_reference):
+    with pytest.raises(tfpar.TfparError, match="xla=True with several replicas"):
+        make_trainer(mirrored(2), fit_reference[0], xla=True)
+    with pytest.raises(tfpar.TfparError, match="must be >= 1"):
+        make_trainer(mirrored(2), fit_reference[0], accumulate=0)

@@ -1,0 +1,193 @@
+"""tfpar.Trainer: the custom training loop, same numbers as Keras fit, one all-reduce per step.
+
+Per step, on every replica: forward and backward on the local batch (loss averaged over
+the global batch, as Keras does), gradient accumulation over `accumulate` micro-batches,
+then the aggregator (one all-reduce), clipping by the global norm of the summed gradients
+(identical on every replica, so equal to the one-device clip), and the optimizer applied
+in the cross-replica context, where Keras does not reduce the gradients a second time.
+`steps_per_loop` steps run inside one tf.function call.
+
+Example:
+    >>> trainer = Trainer(model, optimizer, loss, strategy=strategy, steps_per_loop=10)
+    >>> trainer.fit(distributed_dataset, steps=600, callbacks=[...])
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import keras
+import tensorflow as tf
+
+from tfpar.errors import TfparError
+from tfpar.loop.aggregation import AllReduce, GradientAggregator
+
+
+class TrainerError(TfparError, ValueError):
+    """A Trainer option that cannot work with this model, optimizer or strategy."""
+
+
+def _unpack(batch):
+    if isinstance(batch, (tuple, list)):
+        if len(batch) == 3:
+            return batch
+        if len(batch) == 2:
+            return batch[0], batch[1], None
+    raise TrainerError("Batches must be (x, y) or (x, y, sample_weight).")
+
+
+def _no_second_all_reduce(optimizer) -> None:
+    """Stops `optimizer.apply` from all-reducing gradients the aggregator already summed.
+
+    Keras 3's TensorFlow optimizer all-reduces inside `apply` whenever it runs in a replica
+    context (`_all_reduce_sum_gradients`), and cannot run in the cross-replica context
+    instead (its `maybe_merge_call` needs a replica context). This optimizer instance gets
+    an identity in its place; the aggregator is then the only collective on the gradients
+    (see `Trainer.count_collectives`).
+    """
+    if not hasattr(optimizer, "_all_reduce_sum_gradients"):
+        raise TrainerError(
+            f"This Keras version's optimizer has no _all_reduce_sum_gradients (Keras "
+            f"{keras.__version__}); tfpar.Trainer cannot keep it from reducing twice.")
+    optimizer._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)  # pylint: disable=protected-access
+
+
+class Trainer:
+    """Trains a built Keras model under a tf.distribute strategy with tfpar's own loop.
+
+    Args:
+      model, optimizer, loss: Keras objects; `loss` is a keras.losses.Loss (its unreduced
+        `call` gives per-example values). Build the model under `strategy.scope()`.
+      strategy: the tf.distribute strategy (default: the current one).
+      steps_per_loop: steps per tf.function call (callbacks fire after each call).
+      accumulate: micro-batches per optimizer step; each batch of the dataset is one
+        micro-batch, so one step consumes `accumulate` batches.
+      aggregator: the gradient-aggregation seam (default: one batched all-reduce).
+      xla: jit-compile forward + backward; None = on where it works (one replica).
+    """
+
+    def __init__(self, model: keras.Model, optimizer: keras.optimizers.Optimizer,
+                 loss: keras.losses.Loss, strategy: tf.distribute.Strategy | None = None, *,
+                 steps_per_loop: int = 1, accumulate: int = 1,
+                 aggregator: GradientAggregator | None = None, xla: bool | None = None):
+        self.model, self.optimizer, self.loss = model, optimizer, loss
+        self.strategy = strategy or tf.distribute.get_strategy()
+        if steps_per_loop < 1 or accumulate < 1:
+            raise TrainerError("steps_per_loop and accumulate must be >= 1.")
+        self.steps_per_loop, self.accumulate = steps_per_loop, accumulate
+        self.aggregator = aggregator or AllReduce()
+        single = self.strategy.num_replicas_in_sync == 1
+        if xla and not single:
+            raise TrainerError(
+                "xla=True with several replicas: a jit-compiled replica function reads mirrored "
+                "variables from the wrong device. Use xla=None (auto) or False.")
+        self.xla = single if xla is None else xla
+        # The Trainer clips the *summed* gradients itself, in the replica context; Keras's
+        # own clipping would run on per-replica values in the cross-replica context.
+        self.clip_norm = optimizer.global_clipnorm
+        optimizer.global_clipnorm = None
+        if optimizer.clipnorm or optimizer.clipvalue:
+            raise TrainerError("Use global_clipnorm (clipping by the global norm across replicas), "
+                               "not clipnorm/clipvalue, with tfpar.Trainer.")
+        _no_second_all_reduce(optimizer)
+        with self.strategy.scope():
+            optimizer.build(model.trainable_variables)  # before any traced step
+        self._compute = tf.function(self._forward_backward, jit_compile=self.xla,
+                                    reduce_retracing=True)
+        self._train_loop = tf.function(self._train_loop_fn, reduce_retracing=True)
+
+    # -- one replica ------------------------------------------------------------------
+
+    def _replica_loss(self, x, y, w):
+        y_pred = self.model(x, training=True)
+        values = self.loss.call(y, y_pred)
+        if w is not None:
+            values = values * tf.cast(tf.reshape(w, tf.shape(values)), values.dtype)
+        values = tf.cast(values, tf.float32)
+        denominator = tf.cast(tf.size(values) * self.strategy.num_replicas_in_sync * self.accumulate,
+                              tf.float32)
+        loss = tf.reduce_sum(values) / denominator
+        if self.model.losses:
+            loss += tf.add_n([tf.cast(l, tf.float32) for l in self.model.losses]) / (
+                self.strategy.num_replicas_in_sync * self.accumulate)
+        return loss
+
+    def _forward_backward(self, x, y, w):
+        variables = self.model.trainable_variables
+        with tf.GradientTape() as tape:
+            loss = self._replica_loss(x, y, w)
+        return loss, tape.gradient(loss, variables)
+
+    def _replica_step(self, batches: Sequence):
+        variables = self.model.trainable_variables
+        total, summed = None, None
+        for batch in batches:
+            loss, grads = self._compute(*_unpack(batch))
+            total = loss if total is None else total + loss
+            if self.accumulate > 1:  # sparse (embedding) gradients are summed densely
+                grads = [tf.convert_to_tensor(g) for g in grads]
+            summed = list(grads) if summed is None else [a + b for a, b in zip(summed, grads)]
+        summed = self.aggregator(summed, variables)
+        if self.clip_norm:
+            summed, _ = tf.clip_by_global_norm(summed, self.clip_norm)
+        self.optimizer.apply(summed, variables)
+        return total
+
+    def _train_loop_fn(self, iterator, steps):
+        total = tf.constant(0.0)
+        for _ in tf.range(steps):
+            batches = [next(iterator) for _ in range(self.accumulate)]
+            per_replica = self.strategy.run(self._replica_step, args=(batches,))
+            total += self.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+        return total / tf.cast(steps, tf.float32)
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def train_steps(self, iterator, steps: int) -> float:
+        """Runs `steps` optimizer steps from `iterator`; returns their mean loss."""
+        return float(self._train_loop(iterator, tf.constant(steps)))
+
+    def fit(self, dataset, steps: int, start_step: int = 0, steps_per_epoch: int | None = None,
+            callbacks: Sequence[keras.callbacks.Callback] = ()) -> dict:
+        """Trains from `start_step` to `steps`, calling Keras callbacks as `fit` would.
+
+        `steps_per_epoch` (default: all steps) sets when on_epoch_end fires (checkpoints).
+        Logs carry the loss averaged since the epoch began, like Keras's.
+        """
+        steps_per_epoch = steps_per_epoch or steps
+        callback_list = keras.callbacks.CallbackList(list(callbacks), model=self.model)
+        iterator = iter(dataset)
+        callback_list.on_train_begin()
+        step, logs = start_step, {}
+        while step < steps:
+            epoch = step // steps_per_epoch
+            epoch_end = min((epoch + 1) * steps_per_epoch, steps)
+            callback_list.on_epoch_begin(epoch)
+            done, mean = 0, 0.0
+            while step < epoch_end:
+                n = min(self.steps_per_loop, epoch_end - step)
+                loss = self.train_steps(iterator, n)
+                mean = (mean * done + loss * n) / (done + n)
+                done += n
+                step += n
+                logs = {"loss": mean}
+                callback_list.on_train_batch_end(step - epoch * steps_per_epoch - 1, logs)
+            callback_list.on_epoch_end(epoch, logs)
+        callback_list.on_train_end(logs)
+        return logs
+
+    def collective_ops(self, dataset) -> list[tuple[str, str]]:
+        """(type, name) of every collective op in one traced train step, nested functions
+        included: the evidence that gradients cross the wire once, in the aggregator."""
+        concrete = self._train_loop.get_concrete_function(iter(dataset), tf.constant(1))
+        found = []
+
+        def visit(graph):
+            for op in graph.get_operations():
+                if op.type.startswith("Collective") or op.type == "NcclAllReduce":
+                    found.append((op.type, op.name))
+            for function in graph._functions.values():  # pylint: disable=protected-access
+                visit(function.graph)
+
+        visit(concrete.graph)
+        return found
