@@ -10,7 +10,7 @@ from scripts import fit_model
 pytestmark = pytest.mark.multiprocess
 
 
-def test_fit_under_multi_worker_mirrored_matches_one_process(tmp_path):
+def test_fit_and_loop_under_multi_worker_mirrored_match_one_process(tmp_path):
     init = fit_model.initial_weights()
     np.savez(tmp_path / "init.npz", **{f"w{i}": w for i, w in enumerate(init)})
     result = launch(2, "fit_worker.py", str(tmp_path / "init.npz"), str(tmp_path))
@@ -23,13 +23,17 @@ def test_fit_under_multi_worker_mirrored_matches_one_process(tmp_path):
     assert "[worker:0] FIXED_FIT: ok" in out and "[worker:1] FIXED_FIT: ok" in out
     assert "replicas=2 workers=2 chief=True" in out and "replicas=2 workers=2 chief=False" in out
 
-    workers = [np.load(tmp_path / f"worker{i}.npz") for i in range(2)]
-    workers = [[w[f"arr_{i}"] for i in range(len(w.files))] for w in workers]
-    for a, b in zip(*workers):
-        np.testing.assert_array_equal(a, b)  # the replicas never drift apart
+    def saved(name):
+        files = [np.load(tmp_path / f"{name}{i}.npz") for i in range(2)]
+        return [[f[f"arr_{i}"] for i in range(len(f.files))] for f in files]
+
     reference, _ = fit_model.train(tf.distribute.get_strategy(), init)  # same global batch
-    for actual, expected in zip(workers[0], reference):
-        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
+    for name in ("worker", "loop"):  # Keras fit, then tfpar's loop
+        workers = saved(name)
+        for a, b in zip(*workers):
+            np.testing.assert_array_equal(a, b)  # the replicas never drift apart
+        for actual, expected in zip(workers[0], reference):
+            np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_fit_under_parameter_server_is_refused_and_points_to_the_loop():

@@ -30,5 +30,19 @@ keras_fixes.apply()
 
 final, history = fit_model.train(strategy, weights)
 np.savez(f"{sys.argv[2]}/worker{info.task_index}.npz", *final)
+
+# The same training with tfpar's own loop.
+import keras  # noqa: E402
+
+from tfpar.loop import Trainer  # noqa: E402
+
+with strategy.scope():
+    model = fit_model.build_model()
+    model.set_weights(weights)
+    optimizer = keras.optimizers.SGD(learning_rate=0.1, momentum=0.9)
+trainer = Trainer(model, optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  strategy=strategy, steps_per_loop=3)
+trainer.fit(strategy.experimental_distribute_dataset(fit_model.dataset()), steps=fit_model.STEPS)
+np.savez(f"{sys.argv[2]}/loop{info.task_index}.npz", *model.get_weights())
 print(f"FIXED_FIT: ok loss={history['loss'][-1]:.6f} replicas={info.replicas} "
       f"workers={info.num_workers} chief={info.is_chief}", flush=True)
