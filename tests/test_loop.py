@@ -101,19 +101,36 @@ def test_global_norm_clipping_equals_the_one_device_clip(fit_reference):
     assert max(np.abs(a - b).max() for a, b in zip(model_one.get_weights(), trained)) > 1e-3
 
 
-def test_bf16_trains_the_reverse_task_to_100_percent(tmp_path):
+@pytest.mark.parametrize("precision", ["mixed_bfloat16", "mixed_float16"])
+def test_mixed_precision_trains_the_reverse_task_to_100_percent(tmp_path, precision):
+    """Under mirrored (4 replicas); fp16 with Keras's dynamic loss scaling."""
     import runpy
     from procs import REPO
     from tfpar.train import train_and_evaluate
 
     config = runpy.run_path(str(REPO / "configs" / "reverse_tiny.py"))["get_config"]()
-    config.mode, config.precision = "loop", "mixed_bfloat16"
-    config.train.update(dict(steps=300, checkpoint_every=100, log_every=100))
+    config.mode, config.precision, config.strategy = "loop", precision, "mirrored"
+    config.train.update(dict(steps=200, checkpoint_every=100, log_every=100))
     try:
         results = train_and_evaluate(config, str(tmp_path))
     finally:
         keras.mixed_precision.set_global_policy("float32")
     assert results["exact"] == 1.0
+
+
+def test_loss_scaling_changes_nothing_but_the_scale(fit_reference):
+    """LossScaleOptimizer(SGD) == SGD: the loss is scaled once, unscaled once, reduced once."""
+    weights, trained, _ = fit_reference
+    strategy = mirrored(2)
+    with strategy.scope():
+        model = fit_model.build_model()
+        model.set_weights(weights)
+        optimizer = keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(learning_rate=0.1, momentum=0.9, global_clipnorm=100.0))
+    trainer = Trainer(model, optimizer, crossentropy(), strategy=strategy, steps_per_loop=3)
+    trainer.fit(batches(strategy), steps=fit_model.STEPS)
+    assert float(optimizer.dynamic_scale.numpy()) == 2.0 ** 15
+    assert_same(model.get_weights(), trained)
 
 
 def test_bad_options_are_refused(fit_reference):

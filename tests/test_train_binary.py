@@ -43,12 +43,13 @@ def checkpoint_values(workdir):
     return path, {n: reader.get_tensor(n) for n in names}
 
 
-def test_resume_continues_from_the_step_with_the_same_weights(tmp_path):
+@pytest.mark.parametrize("mode", ["fit", "loop"])
+def test_resume_continues_from_the_step_with_the_same_weights(tmp_path, mode):
     """Stopped at step 20 and restarted == uninterrupted, at the step-40 checkpoint."""
     def config(steps):
         c = load_config("reverse_tiny", steps=steps, checkpoint_every=20, log_every=20,
                         steps_per_loop=10, eval_examples=100)
-        c.optimizer.schedule = "constant"
+        c.optimizer.schedule, c.mode = "constant", mode
         return c
 
     train_and_evaluate(config(40), str(tmp_path / "straight"))
@@ -79,7 +80,7 @@ def test_bad_values_name_their_key():
 @pytest.mark.parametrize("flags,message", [
     (["--config.train.stepz=5"], "stepz"),
     (["--config.optimizer.name=adam"], "config.optimizer.name: 'adam' is not one of adamw, sgd, lamb"),
-    (["--config.mode=loop"], "'loop' is reserved for tfpar's own training loop"),
+    (["--config.mode=lop"], "config.mode: 'lop' is not one of fit, loop"),
     (["--workdir=/etc/hostname/run"], "is not writable"),
 ])
 def test_the_binary_refuses_at_start_with_the_key(flags, message):

@@ -96,6 +96,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
         model.compile(optimizer=optimizer,
                       loss=recipes.SmoothedSparseCrossentropy(config.optimizer.label_smoothing),
                       steps_per_execution=t.steps_per_loop, jit_compile=t.xla)
+        optimizer = model.optimizer  # fp16: Keras wrapped it in a LossScaleOptimizer
         optimizer.build(model.trainable_variables)
         checkpoints = Checkpoints(workdir, info.is_chief, model=model, optimizer=optimizer)
     say(f"model: {model.name}, {model.count_params():,} parameters, stages: "

@@ -45,11 +45,13 @@ def _no_second_all_reduce(optimizer) -> None:
     an identity in its place; the aggregator is then the only collective on the gradients
     (see `Trainer.count_collectives`).
     """
-    if not hasattr(optimizer, "_all_reduce_sum_gradients"):
-        raise TrainerError(
-            f"This Keras version's optimizer has no _all_reduce_sum_gradients (Keras "
-            f"{keras.__version__}); tfpar.Trainer cannot keep it from reducing twice.")
-    optimizer._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)  # pylint: disable=protected-access
+    inner = getattr(optimizer, "inner_optimizer", None)  # LossScaleOptimizer (fp16)
+    for target in (optimizer, inner) if inner is not None else (optimizer,):
+        if not hasattr(target, "_all_reduce_sum_gradients"):
+            raise TrainerError(
+                f"This Keras version's optimizer has no _all_reduce_sum_gradients (Keras "
+                f"{keras.__version__}); tfpar.Trainer cannot keep it from reducing twice.")
+        target._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)  # pylint: disable=protected-access
 
 
 class Trainer:
@@ -84,9 +86,10 @@ class Trainer:
         self.xla = single if xla is None else xla
         # The Trainer clips the *summed* gradients itself, in the replica context; Keras's
         # own clipping would run on per-replica values in the cross-replica context.
-        self.clip_norm = optimizer.global_clipnorm
-        optimizer.global_clipnorm = None
-        if optimizer.clipnorm or optimizer.clipvalue:
+        clipping = getattr(optimizer, "inner_optimizer", optimizer)
+        self.clip_norm = clipping.global_clipnorm
+        clipping.global_clipnorm = None
+        if clipping.clipnorm or clipping.clipvalue:
             raise TrainerError("Use global_clipnorm (clipping by the global norm across replicas), "
                                "not clipnorm/clipvalue, with tfpar.Trainer.")
         _no_second_all_reduce(optimizer)
@@ -116,7 +119,8 @@ class Trainer:
         variables = self.model.trainable_variables
         with tf.GradientTape() as tape:
             loss = self._replica_loss(x, y, w)
-        return loss, tape.gradient(loss, variables)
+            scaled = self.optimizer.scale_loss(loss)  # fp16: times the dynamic loss scale
+        return loss, tape.gradient(scaled, variables)
 
     def _replica_step(self, batches: Sequence):
         variables = self.model.trainable_variables
@@ -129,7 +133,10 @@ class Trainer:
             summed = list(grads) if summed is None else [a + b for a, b in zip(summed, grads)]
         summed = self.aggregator(summed, variables)
         if self.clip_norm:
-            summed, _ = tf.clip_by_global_norm(summed, self.clip_norm)
+            # fp16: the gradients are still scaled by the loss scale; so is the limit.
+            scale = getattr(self.optimizer, "dynamic_scale", None)
+            limit = self.clip_norm * (tf.cast(scale, tf.float32) if scale is not None else 1.0)
+            summed, _ = tf.clip_by_global_norm(summed, limit)
         self.optimizer.apply(summed, variables)
         return total
 
