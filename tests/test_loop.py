@@ -134,7 +134,5 @@ def test_loss_scaling_changes_nothing_but_the_scale(fit_reference):
 
 
 def test_bad_options_are_refused(fit_reference):
-    with pytest.raises(tfpar.TfparError, match="xla=True with several replicas"):
-        make_trainer(mirrored(2), fit_reference[0], xla=True)
     with pytest.raises(tfpar.TfparError, match="must be >= 1"):
         make_trainer(mirrored(2), fit_reference[0], accumulate=0)

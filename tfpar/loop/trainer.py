@@ -65,7 +65,10 @@ class Trainer:
       accumulate: micro-batches per optimizer step; each batch of the dataset is one
         micro-batch, so one step consumes `accumulate` batches.
       aggregator: the gradient-aggregation seam (default: one batched all-reduce).
-      xla: jit-compile forward + backward; None = on where it works (one replica).
+      xla: jit-compile forward + backward (default on). The compiled function is pure:
+        it takes the variables' values as tensors (Keras `stateless_call`), which is what
+        lets XLA run under MirroredStrategy too (a compiled function that captures mirrored
+        variables reads them from the wrong device). The update is never compiled.
     """
 
     def __init__(self, model: keras.Model, optimizer: keras.optimizers.Optimizer,
@@ -78,12 +81,7 @@ class Trainer:
             raise TrainerError("steps_per_loop and accumulate must be >= 1.")
         self.steps_per_loop, self.accumulate = steps_per_loop, accumulate
         self.aggregator = aggregator or AllReduce()
-        single = self.strategy.num_replicas_in_sync == 1
-        if xla and not single:
-            raise TrainerError(
-                "xla=True with several replicas: a jit-compiled replica function reads mirrored "
-                "variables from the wrong device. Use xla=None (auto) or False.")
-        self.xla = single if xla is None else xla
+        self.xla = True if xla is None else bool(xla)
         # The Trainer clips the *summed* gradients itself, in the replica context; Keras's
         # own clipping would run on per-replica values in the cross-replica context.
         clipping = getattr(optimizer, "inner_optimizer", optimizer)
@@ -95,14 +93,13 @@ class Trainer:
         _no_second_all_reduce(optimizer)
         with self.strategy.scope():
             optimizer.build(model.trainable_variables)  # before any traced step
-        self._compute = tf.function(self._forward_backward, jit_compile=self.xla,
+        self._compute = tf.function(self._stateless_forward_backward, jit_compile=self.xla,
                                     reduce_retracing=True)
         self._train_loop = tf.function(self._train_loop_fn, reduce_retracing=True)
 
     # -- one replica ------------------------------------------------------------------
 
-    def _replica_loss(self, x, y, w):
-        y_pred = self.model(x, training=True)
+    def _replica_loss(self, y_pred, y, w, regularization):
         values = self.loss.call(y, y_pred)
         if w is not None:
             values = values * tf.cast(tf.reshape(w, tf.shape(values)), values.dtype)
@@ -110,23 +107,37 @@ class Trainer:
         denominator = tf.cast(tf.size(values) * self.strategy.num_replicas_in_sync * self.accumulate,
                               tf.float32)
         loss = tf.reduce_sum(values) / denominator
-        if self.model.losses:
-            loss += tf.add_n([tf.cast(l, tf.float32) for l in self.model.losses]) / (
+        if regularization:
+            loss += tf.add_n([tf.cast(l, tf.float32) for l in regularization]) / (
                 self.strategy.num_replicas_in_sync * self.accumulate)
         return loss
 
-    def _forward_backward(self, x, y, w):
-        variables = self.model.trainable_variables
+    def _stateless_forward_backward(self, trainable, non_trainable, loss_scale, x, y, w):
+        """Pure: variable values in, (loss, gradients, new non-trainable values) out."""
         with tf.GradientTape() as tape:
-            loss = self._replica_loss(x, y, w)
-            scaled = self.optimizer.scale_loss(loss)  # fp16: times the dynamic loss scale
-        return loss, tape.gradient(scaled, variables)
+            tape.watch(trainable)
+            y_pred, non_trainable, regularization = self.model.stateless_call(
+                trainable, non_trainable, x, training=True, return_losses=True)
+            loss = self._replica_loss(y_pred, y, w, regularization)
+            scaled = loss * loss_scale  # fp16: times the dynamic loss scale
+        return loss, tape.gradient(scaled, trainable), non_trainable
+
+    def _forward_backward(self, x, y, w):
+        """Replica context: reads this replica's variable values, runs the compiled compute."""
+        scale = getattr(self.optimizer, "dynamic_scale", None)
+        scale = tf.constant(1.0) if scale is None else tf.cast(scale.value, tf.float32)
+        loss, grads, non_trainable = self._compute(
+            [v.value for v in self.model.trainable_variables],
+            [v.value for v in self.model.non_trainable_variables], scale, x, y, w)
+        for variable, value in zip(self.model.non_trainable_variables, non_trainable):
+            variable.assign(value)
+        return loss, grads
 
     def _replica_step(self, batches: Sequence):
         variables = self.model.trainable_variables
         total, summed = None, None
         for batch in batches:
-            loss, grads = self._compute(*_unpack(batch))
+            loss, grads = self._forward_backward(*_unpack(batch))
             total = loss if total is None else total + loss
             if self.accumulate > 1:  # sparse (embedding) gradients are summed densely
                 grads = [tf.convert_to_tensor(g) for g in grads]
