@@ -103,19 +103,48 @@ def test_global_norm_clipping_equals_the_one_device_clip(fit_reference):
 
 @pytest.mark.parametrize("precision", ["mixed_bfloat16", "mixed_float16"])
 def test_mixed_precision_trains_the_reverse_task_to_100_percent(tmp_path, precision):
-    """Under mirrored (4 replicas); fp16 with Keras's dynamic loss scaling."""
+    """Convergence on one device (fast); fp16 with Keras's dynamic loss scaling."""
     import runpy
     from procs import REPO
     from tfpar.train import train_and_evaluate
 
     config = runpy.run_path(str(REPO / "configs" / "reverse_tiny.py"))["get_config"]()
-    config.mode, config.precision, config.strategy = "loop", precision, "mirrored"
+    config.mode, config.precision, config.strategy = "loop", precision, "default"
     config.train.update(dict(steps=200, checkpoint_every=100, log_every=100))
     try:
         results = train_and_evaluate(config, str(tmp_path))
     finally:
         keras.mixed_precision.set_global_policy("float32")
     assert results["exact"] == 1.0
+
+
+@pytest.mark.parametrize("precision", ["mixed_bfloat16", "mixed_float16"])
+def test_mixed_precision_under_mirrored_matches_one_device(fit_reference, precision):
+    """Same low-precision run on 1 and 2 replicas: equal up to the precision's rounding.
+
+    4 steps: at the 5th, fp16 overflows on one device (its per-replica loss is twice the
+    size) and dynamic loss scaling skips that step there but not on 2 replicas.
+    """
+    weights = fit_reference[0]
+    keras.mixed_precision.set_global_policy(precision)
+    try:
+        results = []
+        for strategy in (tf.distribute.get_strategy(), mirrored(2)):
+            with strategy.scope():
+                model = fit_model.build_model()
+                model.set_weights(weights)
+                optimizer = keras.optimizers.SGD(learning_rate=0.1, momentum=0.9)
+                if precision == "mixed_float16":
+                    optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+            trainer = Trainer(model, optimizer, crossentropy(), strategy=strategy, steps_per_loop=3)
+            trainer.fit(batches(strategy), steps=4)
+            results.append(model.get_weights())
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    tol = 2e-2 if precision == "mixed_bfloat16" else 2e-3
+    assert_same(results[1], results[0], tol=tol)
+    moved = max(np.abs(a - b).max() for a, b in zip(results[0], weights))
+    assert moved > 5 * tol
 
 
 def test_loss_scaling_changes_nothing_but_the_scale(fit_reference):
