@@ -77,6 +77,10 @@ class Trainer:
                  aggregator: GradientAggregator | None = None, xla: bool | None = None):
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.strategy = strategy or tf.distribute.get_strategy()
+        if isinstance(self.strategy, tf.distribute.experimental.ParameterServerStrategy):
+            raise TrainerError(
+                "tfpar.Trainer does not train under parameter_server yet (asynchronous training "
+                "with ClusterCoordinator is still to come). Use multi_worker_mirrored meanwhile.")
         if steps_per_loop < 1 or accumulate < 1:
             raise TrainerError("steps_per_loop and accumulate must be >= 1.")
         self.steps_per_loop, self.accumulate = steps_per_loop, accumulate
