@@ -8,7 +8,7 @@ setup(
     description="Train Keras 3 transformers in parallel on TensorFlow: one name picks the strategy.",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.9",
+    python_requires=">=3.10",
     packages=find_packages(include=["tfpar", "tfpar.*"]),
     install_requires=[
         "tensorflow>=2.16,<2.22",
