@@ -12,7 +12,6 @@ import difflib
 import itertools
 from typing import Any, Sequence
 
-from absl import logging
 
 from tfpar.errors import StrategyOptionError, UnknownStrategyError
 from tfpar.strategy import cluster as cluster_lib
