@@ -12,7 +12,6 @@ import difflib
 import itertools
 from typing import Any, Sequence
 
-
 from tfpar.errors import StrategyOptionError, UnknownStrategyError
 from tfpar.strategy import cluster as cluster_lib
 from tfpar.strategy import keras_fixes, preflight, runtime, tpu as tpu_lib
