@@ -25,7 +25,6 @@ class Stage(NamedTuple):
 class StagedModel(keras.Model):
     """Base class: subclasses set `self._stage_list` (a list of Stage) in __init__."""
 
-    config_class: type = None  # the dataclass of the subclass's hyper-parameters
     presets: dict = {}
 
     def __init__(self, config, **kwargs):

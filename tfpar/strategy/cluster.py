@@ -61,9 +61,7 @@ class Cluster:
 
     @property
     def is_chief(self) -> bool:
-        if "chief" in self.jobs:
-            return self.task_type == "chief"
-        return self.task_type == "worker" and self.task_index == 0
+        return is_chief(self.jobs, self.task_type, self.task_index)
 
     def tasks(self) -> list[tuple[str, int, str]]:
         """Every task as (type, index, address), in a stable order."""
@@ -89,6 +87,15 @@ class Cluster:
         return tf.distribute.cluster_resolver.SimpleClusterResolver(
             spec, task_type=self.task_type, task_id=self.task_index, rpc_layer=self.rpc_layer
         )
+
+
+def is_chief(jobs: Mapping[str, Any], task_type: str | None, task_index: int | None) -> bool:
+    """The chief: the 'chief' task if the cluster has one, else worker 0 (or no cluster)."""
+    if task_type is None:
+        return True
+    if "chief" in jobs:
+        return task_type == "chief"
+    return task_type == "worker" and task_index == 0
 
 
 def find_cluster(source: Any = None, environ: Mapping[str, str] | None = None) -> Cluster | None:

@@ -12,6 +12,8 @@ import dataclasses
 
 import tensorflow as tf
 
+from tfpar.strategy.cluster import is_chief
+
 
 @dataclasses.dataclass(frozen=True)
 class StrategyInfo:
@@ -54,12 +56,7 @@ def describe(strategy: tf.distribute.Strategy | None = None) -> StrategyInfo:
         num_workers = max(1, len(jobs.get("worker", [])) + len(jobs.get("chief", [])))
     elif kind == "tpu":
         num_workers = strategy.extended.num_hosts
-    if task_type is None:
-        is_chief = True
-    elif "chief" in jobs:
-        is_chief = task_type == "chief"
-    else:
-        is_chief = task_type == "worker" and task_index == 0
+    chief = is_chief(jobs, task_type, task_index)
     if kind == "default":
         devices = (tf.config.list_logical_devices()[0].name,)
     elif kind == "parameter_server":
@@ -72,6 +69,6 @@ def describe(strategy: tf.distribute.Strategy | None = None) -> StrategyInfo:
         num_workers=num_workers,
         task_type=task_type,
         task_index=task_index,
-        is_chief=bool(is_chief),
+        is_chief=chief,
         devices=devices,
     )
