@@ -53,6 +53,21 @@ def test_a_failing_task_stops_the_group_with_its_exit_code():
     assert time.monotonic() - started < 30
 
 
+def test_a_failed_ps_worker_is_restarted_until_its_budget_is_spent():
+    """In a ps cluster a dead worker is restarted (the coordinator carries on); once it has
+    failed more often than --max-worker-restarts allows, the group stops with its code."""
+    code = ("import json, os, sys, time; t = json.loads(os.environ['TF_CONFIG'])['task']['type']; "
+            "print('START', t, flush=True); time.sleep(0.3); sys.exit(5) if t == 'worker' else time.sleep(120)")
+    result = run_python(launch_cmd("--chief", "--workers", "1", "--ps", "1", "--max-worker-restarts",
+                                   "2", "--", sys.executable, "-c", code), timeout=60)
+    assert result.returncode == 5, result.stdout
+    assert result.stdout.count("[worker:0] START worker") == 3
+    assert "worker:0 exited with code 5; parameter-server training goes on without it. " \
+           "Restarting it (2/2)." in result.stdout
+    assert "worker:0 exited with code 5; stopping the group" in result.stdout
+    assert result.stdout.count("[chief:0] START chief") == 1
+
+
 def test_sigterm_is_passed_on_to_every_task():
     code = ("import signal, sys, time, json, os\n"
             "i = json.loads(os.environ['TF_CONFIG'])['task']['index']\n"

@@ -34,13 +34,3 @@ def test_fit_and_loop_under_multi_worker_mirrored_match_one_process(tmp_path):
             np.testing.assert_array_equal(a, b)  # the replicas never drift apart
         for actual, expected in zip(workers[0], reference):
             np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
-
-
-def test_fit_under_parameter_server_is_refused_and_points_to_the_loop():
-    result = launch(1, "ps_fit_worker.py", launch_args=("--chief", "--ps", "1"))
-    out = result.stdout
-    assert result.returncode == 0, out[-4000:]
-    assert "[chief:0] describe: StrategyInfo(kind='parameter_server'" in out
-    assert "[chief:0] PS_FIT: refused: Keras 3 `model.fit` does not support ParameterServerStrategy" in out
-    assert "tfpar.Trainer" in out
-    assert "[worker:0] tfpar: worker[0] serving" in out and "[ps:0] tfpar: ps[0] serving" in out

@@ -35,7 +35,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.strategy = "auto"
     c.strategy_args = ml_collections.ConfigDict(dict(
         virtual_devices=0, all_reduce="auto", num_packs=1, tpu="", timeout_s=0.0,
-        connect_timeout_s=60.0))
+        connect_timeout_s=60.0,
+        # parameter_server: split large variables over the ps tasks (0 = off), either in
+        # a fixed number of shards or in shards of at least this many bytes.
+        partition_shards=0, partition_min_bytes=0))
     c.precision = "float32"             # or mixed_bfloat16 / mixed_float16
     c.seed = 0
     c.model = "gpt"                     # gpt | encoder | vit
@@ -74,6 +77,11 @@ def validate(config) -> None:
         normalize_name(config.strategy)
     except ValueError as e:
         raise ConfigError(f"config.strategy: {e}") from None
+    sa = config.strategy_args
+    _require(sa.partition_shards >= 0 and sa.partition_min_bytes >= 0, "strategy_args.partition_shards",
+             "partition_shards and partition_min_bytes must be >= 0 (0 = off).")
+    _require(not (sa.partition_shards and sa.partition_min_bytes), "strategy_args.partition_shards",
+             "set partition_shards or partition_min_bytes, not both.")
     _require(config.precision in PRECISIONS, "precision",
              f"{config.precision!r} is not one of {', '.join(PRECISIONS)}.")
     _require(config.model in MODELS, "model", f"{config.model!r} is not one of {', '.join(MODELS)}.")

@@ -5,7 +5,8 @@
 
 Picks free ports on 127.0.0.1, gives each process its TF_CONFIG, prefixes every output
 line with its task (`[worker:1] ...`), pins CPUs when asked, stops the whole group with a
-non-zero exit as soon as any task fails, and passes Ctrl-C / SIGTERM on to every task.
+non-zero exit as soon as any task fails (except a parameter-server worker: that one is
+restarted while training goes on), and passes Ctrl-C / SIGTERM on to every task.
 
 Local runs bind to 127.0.0.1 only: TensorFlow's gRPC server authenticates nobody, so a
 cluster must only ever run on a network you trust.
@@ -54,9 +55,10 @@ def cluster_spec(workers: int, ps: int = 0, chief: bool = False, host: str = HOS
 
 
 class _Task:
-    def __init__(self, job: str, index: int, process: subprocess.Popen):
-        self.job, self.index, self.process = job, index, process
+    def __init__(self, job: str, index: int, process: subprocess.Popen, cpus=None):
+        self.job, self.index, self.process, self.cpus = job, index, process, cpus
         self.name = f"{job}:{index}"
+        self.restarts = 0
 
 
 def _pump(stream, prefix: str, out: TextIO, lock: threading.Lock) -> None:
@@ -85,11 +87,15 @@ def launch(
     cpus_per_worker: int | None = None,
     env: dict | None = None,
     out: TextIO | None = None,
+    max_worker_restarts: int = 3,
 ) -> int:
     """Runs `command` once per task of a local cluster; returns the group's exit code.
 
     0 when every chief/worker exits 0 (ps servers are then stopped); otherwise the
-    exit code of the first task that failed, after the others are stopped.
+    exit code of the first task that failed, after the others are stopped. In a
+    parameter-server cluster a failed worker is not fatal: the chief's coordinator runs
+    its work elsewhere, and the launcher starts it again (at most `max_worker_restarts`
+    times per worker), after which the coordinator gives it work again.
     """
     if not command:
         raise SystemExit("tfpar-launch: no command given. Usage: tfpar-launch --workers 2 -- CMD ...")
@@ -105,12 +111,11 @@ def launch(
     order = [(job, i) for job in ("chief", "worker", "ps") for i in range(len(cluster.get(job, [])))]
     cpu_sets = _cpu_sets(len(order), cpus_per_worker)
     lock = threading.Lock()
-    tasks: list[_Task] = []
     pumps: list[threading.Thread] = []
     base_env = dict(os.environ if env is None else env)
     base_env.setdefault("PYTHONUNBUFFERED", "1")
 
-    for (job, index), cpus in zip(order, cpu_sets):
+    def spawn(job: str, index: int, cpus) -> _Task:
         task_env = dict(base_env)
         task_env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": job, "index": index}})
         preexec = (lambda cpus=cpus: os.sched_setaffinity(0, cpus)) if cpus else None
@@ -119,12 +124,14 @@ def launch(
             stdin=subprocess.DEVNULL, text=True, bufsize=1, start_new_session=True,
             preexec_fn=preexec,
         )
-        task = _Task(job, index, process)
-        tasks.append(task)
+        task = _Task(job, index, process, cpus)
         thread = threading.Thread(target=_pump, args=(process.stdout, f"[{task.name}]", out, lock),
                                   daemon=True)
         thread.start()
         pumps.append(thread)
+        return task
+
+    tasks = [spawn(job, index, cpus) for (job, index), cpus in zip(order, cpu_sets)]
 
     # Under a ps cluster only the chief finishes; workers and ps serve until stopped.
     drivers = [t for t in tasks if t.job == "chief"] if ps else [t for t in tasks if t.job != "ps"]
@@ -135,7 +142,8 @@ def launch(
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        code = _supervise(tasks, drivers, received, out, lock)
+        respawn = (lambda task: spawn(task.job, task.index, task.cpus)) if ps else None
+        code = _supervise(tasks, drivers, received, out, lock, respawn, max_worker_restarts)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -144,7 +152,7 @@ def launch(
     return code
 
 
-def _supervise(tasks, drivers, received, out, lock) -> int:
+def _supervise(tasks, drivers, received, out, lock, respawn, max_worker_restarts) -> int:
     def say(message: str) -> None:
         with lock:
             out.write(f"[tfpar-launch] {message}\n")
@@ -157,6 +165,16 @@ def _supervise(tasks, drivers, received, out, lock) -> int:
             _stop(tasks, signum)
             return 128 + signum
         failed = [t for t in tasks if t.process.poll() not in (None, 0)]
+        for task in [t for t in failed if respawn and t.job == "worker"]:
+            if task.restarts >= max_worker_restarts:
+                break
+            say(f"{task.name} exited with code {task.process.returncode}; parameter-server "
+                f"training goes on without it. Restarting it ({task.restarts + 1}/"
+                f"{max_worker_restarts}).")
+            new = respawn(task)
+            new.restarts = task.restarts + 1
+            tasks[tasks.index(task)] = new
+            failed.remove(task)
         if failed:
             first = failed[0]
             say(f"{first.name} exited with code {first.process.returncode}; stopping the group.")
@@ -203,6 +221,9 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--chief", action="store_true", help="add a chief task")
     parser.add_argument("--cpus-per-worker", type=int, default=None,
                         help="pin each task to this many CPUs (round robin over the allowed CPUs)")
+    parser.add_argument("--max-worker-restarts", type=int, default=3,
+                        help="parameter-server clusters: restart a failed worker up to this many "
+                             "times (default 3); training goes on meanwhile")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     args = parser.parse_args(argv)
     if args.command and args.command[0] == "--":
@@ -216,7 +237,8 @@ def run(argv: Sequence[str] | None = None) -> None:
     """Console entry point (`tfpar-launch`)."""
     args = _parse(sys.argv[1:] if argv is None else argv)
     sys.exit(launch(args.command, workers=args.workers, ps=args.ps, chief=args.chief,
-                    cpus_per_worker=args.cpus_per_worker))
+                    cpus_per_worker=args.cpus_per_worker,
+                    max_worker_restarts=args.max_worker_restarts))
 
 
 if __name__ == "__main__":

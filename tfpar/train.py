@@ -50,6 +50,7 @@ def check_workdir(workdir: str) -> None:
 
 def _create_strategy(config):
     import tfpar
+    from tfpar.strategy import partitioner
 
     args = config.strategy_args
     return tfpar.create_strategy(
@@ -60,6 +61,7 @@ def _create_strategy(config):
         tpu=args.tpu or None,
         timeout_s=args.timeout_s or None,
         connect_timeout_s=args.connect_timeout_s,
+        variable_partitioner=partitioner(args.partition_shards, args.partition_min_bytes),
     )
 
 
@@ -86,6 +88,10 @@ def train_and_evaluate(config, workdir: str) -> dict:
         keras.mixed_precision.set_global_policy(config.precision)
     keras.utils.set_random_seed(config.seed)
 
+    asynchronous = info.kind == "parameter_server"
+    if asynchronous and config.mode != "loop":
+        raise ConfigError("config.mode: parameter_server trains with tfpar's own loop (Keras fit "
+                          "does not support it, keras#18624). Add --config.mode=loop.")
     t = config.train
     data_lib.per_replica_batch_size(t.batch_size, info.replicas)
     splits = data_lib.load(config.data.name, seq_len=config.data.seq_len, files=config.data.files or None,
@@ -108,8 +114,16 @@ def train_and_evaluate(config, workdir: str) -> dict:
     augment = None
     if config.data.augment and splits.info.get("kind") == "image":
         augment = recipes.image_augmentation(splits.info["image_size"])
-    train_data = data_lib.distribute_train(strategy, splits.train, t.batch_size, start_step=start,
-                                           augment=augment)
+    trainer = None
+    if config.mode == "loop":
+        trainer = Trainer(model, optimizer, model.loss, strategy, steps_per_loop=t.steps_per_loop,
+                          xla=None if t.xla else False)
+    if asynchronous:  # each worker reads its own order; the weights and step are resumed
+        train_data = trainer.per_worker_dataset(
+            data_lib.worker_train_fn(splits.train, t.batch_size, augment))
+    else:
+        train_data = data_lib.distribute_train(strategy, splits.train, t.batch_size,
+                                               start_step=start, augment=augment)
 
     lm = splits.info["kind"] == "lm"
     units = t.batch_size * (config.data.seq_len if lm and config.data.name == "corpus" else 1)
@@ -120,9 +134,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
                            verbose=info.is_chief)
     callbacks = [progress, cb.Summaries(writer, progress), cb.Checkpointing(checkpoints, t.checkpoint_every, say)]
     started = time.perf_counter()
-    if start < t.steps and config.mode == "loop":
-        trainer = Trainer(model, optimizer, model.loss, strategy, steps_per_loop=t.steps_per_loop,
-                          xla=None if t.xla else False)
+    if start < t.steps and trainer is not None:
         trainer.fit(train_data, t.steps, start_step=start, steps_per_epoch=t.checkpoint_every,
                     callbacks=callbacks)
     elif start < t.steps:
@@ -132,9 +144,11 @@ def train_and_evaluate(config, workdir: str) -> dict:
         )
     train_seconds = time.perf_counter() - started
 
-    eval_data, eval_steps = data_lib.distribute_eval(strategy, splits.validation, t.eval_batch_size,
-                                                     limit=t.eval_examples)
-    results = evaluate(model, strategy, eval_data, eval_steps, xla=t.xla)
+    # parameter_server: the chief evaluates on its own, reading the variables from the ps.
+    eval_strategy = tf.distribute.get_strategy() if asynchronous else strategy
+    eval_data, eval_steps = data_lib.distribute_eval(eval_strategy, splits.validation,
+                                                     t.eval_batch_size, limit=t.eval_examples)
+    results = evaluate(model, eval_strategy, eval_data, eval_steps, xla=t.xla and not asynchronous)
     results.update(step=t.steps, train_seconds=train_seconds,
                    throughput=progress.last.get(f"{unit}_per_s"), throughput_unit=f"{unit}/s")
     if lm and config.data.name == "corpus":

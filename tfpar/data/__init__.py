@@ -1,7 +1,8 @@
 """Datasets: the embedded stdlib corpus, algorithmic tasks, TFDS, and their distribution."""
 
 from tfpar.data.corpus import text_corpus, unigram_entropy
-from tfpar.data.pipeline import distribute_eval, distribute_train, per_replica_batch_size
+from tfpar.data.pipeline import (distribute_eval, distribute_train, per_replica_batch_size,
+                                 worker_train_fn)
 from tfpar.data.source import Shard, Source, Splits
 from tfpar.data.tasks import majority_task, reverse_task
 from tfpar.data.tfds_source import tfds_splits
@@ -27,4 +28,4 @@ def load(name: str, seq_len: int = 128, files: str | None = None, data_dir: str 
 
 __all__ = ["Shard", "Source", "Splits", "distribute_eval", "distribute_train", "load",
            "majority_task", "per_replica_batch_size", "reverse_task", "text_corpus",
-           "tfds_splits", "unigram_entropy"]
+           "tfds_splits", "unigram_entropy", "worker_train_fn"]

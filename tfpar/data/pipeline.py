@@ -12,6 +12,7 @@
 Example:
     >>> train = distribute_train(strategy, splits.train, global_batch=64)
     >>> valid, steps = distribute_eval(strategy, splits.validation, global_batch=64)
+    >>> per_worker = trainer.per_worker_dataset(worker_train_fn(splits.train, 64))  # ps
 """
 
 from __future__ import annotations
@@ -68,6 +69,29 @@ def distribute_train(
         return dataset.prefetch(tf.data.AUTOTUNE)
 
     return strategy.distribute_datasets_from_function(dataset_fn)
+
+
+def worker_train_fn(source: Source, batch_size: int, augment: Optional[Callable] = None
+                    ) -> Callable[[], tf.data.Dataset]:
+    """parameter_server: a dataset function each worker runs for itself (batch per step).
+
+    The coordinator traces the function once and runs the same graph on every worker, so
+    a seeded shuffle alone would give every worker the same batches. Each worker (and a
+    restarted one) starts at its own offset into the endless shuffled stream, taken from
+    the clock when it builds its iterator. Asynchronous training does not replay data
+    exactly: on resume the weights and the step are restored, the order is new.
+    """
+    period = max(source.num_examples or 0, 1)
+
+    def dataset_fn() -> tf.data.Dataset:
+        dataset = source.build(Shard(), training=True)
+        offset = tf.cast(tf.timestamp() * 1e6, tf.int64) % period
+        dataset = dataset.skip(offset)
+        if augment is not None:
+            dataset = dataset.map(augment, num_parallel_calls=tf.data.AUTOTUNE)
+        return dataset.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+
+    return dataset_fn
 
 
 def _with_weight(*example):

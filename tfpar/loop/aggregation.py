@@ -38,5 +38,12 @@ class AllReduce(GradientAggregator):
         return context.all_reduce(tf.distribute.ReduceOp.SUM, list(gradients))
 
 
+class NoReduce(GradientAggregator):
+    """No collective: each worker applies its own gradients (parameter-server training)."""
+
+    def __call__(self, gradients, variables):
+        return list(gradients)
+
+
 def _multi_worker(context) -> bool:
     return getattr(context.strategy.extended, "_num_workers", 1) > 1

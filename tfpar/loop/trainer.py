@@ -7,6 +7,10 @@ then the aggregator (one all-reduce), clipping by the global norm of the summed 
 in the cross-replica context, where Keras does not reduce the gradients a second time.
 `steps_per_loop` steps run inside one tf.function call.
 
+Under `parameter_server` the same step runs asynchronously: the chief schedules it onto
+the workers with a ClusterCoordinator (see tfpar.loop.parameter_server); each worker
+applies its own gradients to the variables on the parameter servers.
+
 Example:
     >>> trainer = Trainer(model, optimizer, loss, strategy=strategy, steps_per_loop=10)
     >>> trainer.fit(distributed_dataset, steps=600, callbacks=[...])
@@ -20,7 +24,8 @@ import keras
 import tensorflow as tf
 
 from tfpar.errors import TfparError
-from tfpar.loop.aggregation import AllReduce, GradientAggregator
+from tfpar.loop import parameter_server
+from tfpar.loop.aggregation import AllReduce, GradientAggregator, NoReduce
 
 
 class TrainerError(TfparError, ValueError):
@@ -54,6 +59,16 @@ def _no_second_all_reduce(optimizer) -> None:
         target._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)  # pylint: disable=protected-access
 
 
+class _RunningMean:
+    def __init__(self):
+        self.count, self.value = 0, 0.0
+
+    def add(self, value: float, count: int) -> float:
+        self.value = (self.value * self.count + value * count) / (self.count + count)
+        self.count += count
+        return self.value
+
+
 class Trainer:
     """Trains a built Keras model under a tf.distribute strategy with tfpar's own loop.
 
@@ -77,13 +92,19 @@ class Trainer:
                  aggregator: GradientAggregator | None = None, xla: bool | None = None):
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.strategy = strategy or tf.distribute.get_strategy()
-        if isinstance(self.strategy, tf.distribute.experimental.ParameterServerStrategy):
-            raise TrainerError(
-                "tfpar.Trainer does not train under parameter_server yet (asynchronous training "
-                "with ClusterCoordinator is still to come). Use multi_worker_mirrored meanwhile.")
         if steps_per_loop < 1 or accumulate < 1:
             raise TrainerError("steps_per_loop and accumulate must be >= 1.")
         self.steps_per_loop, self.accumulate = steps_per_loop, accumulate
+        self._async = None
+        if parameter_server.is_parameter_server(self.strategy):
+            if aggregator is not None:
+                raise TrainerError(
+                    "Under parameter_server each worker applies its own gradients on the "
+                    "parameter servers; there is no all-reduce to replace, so an aggregator "
+                    "(or gradient compression) does not apply. Use multi_worker_mirrored.")
+            aggregator = NoReduce()
+            parameter_server.allow_sharded_updates(optimizer)
+            self._async = parameter_server.AsyncSteps(self.strategy)
         self.aggregator = aggregator or AllReduce()
         self.xla = True if xla is None else bool(xla)
         # The Trainer clips the *summed* gradients itself, in the replica context; Keras's
@@ -131,8 +152,9 @@ class Trainer:
         scale = getattr(self.optimizer, "dynamic_scale", None)
         scale = tf.constant(1.0) if scale is None else tf.cast(scale.value, tf.float32)
         loss, grads, non_trainable = self._compute(
-            [v.value for v in self.model.trainable_variables],
-            [v.value for v in self.model.non_trainable_variables], scale, x, y, w)
+            [tf.convert_to_tensor(v.value) for v in self.model.trainable_variables],
+            [tf.convert_to_tensor(v.value) for v in self.model.non_trainable_variables],
+            scale, x, y, w)
         for variable, value in zip(self.model.non_trainable_variables, non_trainable):
             variable.assign(value)
         return loss, grads
@@ -167,14 +189,37 @@ class Trainer:
 
     def train_steps(self, iterator, steps: int) -> float:
         """Runs `steps` optimizer steps from `iterator`; returns their mean loss."""
+        if self._async:
+            return float(self._async.coordinator.schedule(
+                self._train_loop, args=(iterator, tf.constant(steps))).fetch())
         return float(self._train_loop(iterator, tf.constant(steps)))
+
+    def per_worker_dataset(self, dataset_fn):
+        """parameter_server only: `dataset_fn()` built on every worker, for `fit`.
+
+        Each worker reads its own copy; give it its own order (e.g. a shuffle seeded per
+        worker, see tfpar.data.worker_train_fn), or every worker sees the same batches.
+        """
+        if not self._async:
+            raise TrainerError("per_worker_dataset is for parameter_server; use "
+                               "strategy.distribute_datasets_from_function otherwise.")
+        return self._async.per_worker_dataset(dataset_fn)
+
+    def _run_chunks(self, iterator, sizes: list[int], on_chunk) -> None:
+        if self._async:  # scheduled on the workers; results reported in order
+            self._async.run(self._train_loop, iterator, sizes, on_chunk)
+        else:
+            for n in sizes:
+                on_chunk(n, self.train_steps(iterator, n))
 
     def fit(self, dataset, steps: int, start_step: int = 0, steps_per_epoch: int | None = None,
             callbacks: Sequence[keras.callbacks.Callback] = ()) -> dict:
         """Trains from `start_step` to `steps`, calling Keras callbacks as `fit` would.
 
         `steps_per_epoch` (default: all steps) sets when on_epoch_end fires (checkpoints).
-        Logs carry the loss averaged since the epoch began, like Keras's.
+        Logs carry the loss averaged since the epoch began, like Keras's. Under
+        parameter_server, `dataset` comes from `per_worker_dataset`, the workers run
+        asynchronously within an epoch, and all finish before on_epoch_end (checkpoints).
         """
         steps_per_epoch = steps_per_epoch or steps
         callback_list = keras.callbacks.CallbackList(list(callbacks), model=self.model)
@@ -185,15 +230,17 @@ class Trainer:
             epoch = step // steps_per_epoch
             epoch_end = min((epoch + 1) * steps_per_epoch, steps)
             callback_list.on_epoch_begin(epoch)
-            done, mean = 0, 0.0
-            while step < epoch_end:
-                n = min(self.steps_per_loop, epoch_end - step)
-                loss = self.train_steps(iterator, n)
-                mean = (mean * done + loss * n) / (done + n)
-                done += n
+            sizes = [min(self.steps_per_loop, epoch_end - s)
+                     for s in range(step, epoch_end, self.steps_per_loop)]
+            mean = _RunningMean()
+
+            def on_chunk(n: int, loss: float) -> None:
+                nonlocal step, logs
                 step += n
-                logs = {"loss": mean}
+                logs = {"loss": mean.add(loss, n)}
                 callback_list.on_train_batch_end(step - epoch * steps_per_epoch - 1, logs)
+
+            self._run_chunks(iterator, sizes, on_chunk)
             callback_list.on_epoch_end(epoch, logs)
         callback_list.on_train_end(logs)
         return logs

@@ -47,13 +47,16 @@ def describe(strategy: tf.distribute.Strategy | None = None) -> StrategyInfo:
     """Describes `strategy` (default: the current one)."""
     strategy = strategy or tf.distribute.get_strategy()
     kind = strategy_kind(strategy)
-    resolver = getattr(strategy, "cluster_resolver", None)
+    resolver = (getattr(strategy, "cluster_resolver", None)  # PS keeps its own privately
+                or getattr(strategy, "_cluster_resolver", None))
     task_type = getattr(resolver, "task_type", None) if resolver else None
     task_index = getattr(resolver, "task_id", None) if resolver else None
     jobs = resolver.cluster_spec().as_dict() if resolver is not None and task_type else {}
     num_workers = 1
-    if kind in ("multi_worker_mirrored", "parameter_server") and jobs:
+    if kind == "multi_worker_mirrored" and jobs:
         num_workers = max(1, len(jobs.get("worker", [])) + len(jobs.get("chief", [])))
+    elif kind == "parameter_server" and jobs:  # the chief coordinates, workers train
+        num_workers = len(jobs.get("worker", []))
     elif kind == "tpu":
         num_workers = strategy.extended.num_hosts
     chief = is_chief(jobs, task_type, task_index)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import itertools
+import os
 from typing import Any, Sequence
 
 from tfpar.errors import StrategyOptionError, UnknownStrategyError
@@ -83,6 +84,10 @@ def create_strategy(
     if kind == "auto":
         kind, cluster, reason = _decide(tpu, cluster)
         print(f"tfpar: strategy 'auto' chose {kind!r}: {reason}.", flush=True)
+    if variable_partitioner is not None and kind != "parameter_server":
+        raise StrategyOptionError(
+            f"variable_partitioner splits variables over parameter servers; {kind!r} has none. "
+            "Drop it, or use 'parameter_server'.")
     builder = _BUILDERS[kind]
     strategy = builder(
         devices=devices, all_reduce=all_reduce, num_packs=num_packs, tpu=tpu,
@@ -91,6 +96,31 @@ def create_strategy(
     )
     keras_fixes.apply()
     return strategy
+
+
+def partitioner(shards: int = 0, min_shard_bytes: int = 0, max_shards: int | None = None):
+    """A variable partitioner for parameter_server, or None when both are 0.
+
+    `shards` > 0: FixedShardsPartitioner (every variable in `shards` pieces along axis 0);
+    `min_shard_bytes` > 0: MinSizePartitioner (only variables large enough are split, in
+    pieces of at least that many bytes, at most `max_shards`; default: one per ps task).
+
+    Example:
+        >>> create_strategy("parameter_server", variable_partitioner=partitioner(shards=2))
+    """
+    import tensorflow as tf
+
+    partitioners = tf.distribute.experimental.partitioners
+    if shards and min_shard_bytes:
+        raise StrategyOptionError("Give shards or min_shard_bytes, not both.")
+    if shards:
+        return partitioners.FixedShardsPartitioner(shards)
+    if min_shard_bytes:
+        if max_shards is None:
+            found = cluster_lib.find_cluster()
+            max_shards = len(found.jobs.get("ps", ())) if found and found.has_ps else 1
+        return partitioners.MinSizePartitioner(min_shard_bytes, max_shards=max_shards)
+    return None
 
 
 def _decide(tpu: str | None, cluster: Any) -> tuple[str, Any, str]:
@@ -275,8 +305,8 @@ def _serve_forever(found: cluster_lib.Cluster, resolver) -> None:
         resolver.cluster_spec(), job_name=found.task_type, task_index=found.task_index,
         protocol=found.rpc_layer, start=True,
     )
-    print(f"tfpar: {found.task_type}[{found.task_index}] serving at {found.address}; "
-          "waiting for the chief.", flush=True)
+    print(f"tfpar: {found.task_type}[{found.task_index}] serving at {found.address} (pid "
+          f"{os.getpid()}); waiting for the chief.", flush=True)
     server.join()
 
 

@@ -1,0 +1,83 @@
+"""Asynchronous parameter-server training: the ClusterCoordinator side of tfpar.Trainer.
+
+Under `parameter_server` the chief runs no training step itself. It schedules train
+functions onto the workers with `tf.distribute.coordinator.ClusterCoordinator`; each
+worker reads the variables from the parameter servers, computes its gradients and applies
+them there, without waiting for the other workers. A worker that dies has its scheduled
+function run again elsewhere; when it comes back, the coordinator rebuilds its dataset
+iterator and gives it work again.
+
+Example:
+    >>> steps = AsyncSteps(strategy)
+    >>> iterator = iter(steps.per_worker_dataset(lambda: make_dataset()))
+    >>> steps.run(train_fn, iterator, chunks=[10] * 60, on_done=lambda n, loss: print(n, loss))
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable, Iterable
+
+import tensorflow as tf
+from tensorflow.python.distribute import sharded_variable  # ShardedVariable has no public type
+
+from tfpar.strategy.describe import describe
+
+
+def is_parameter_server(strategy: tf.distribute.Strategy) -> bool:
+    return isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy)
+
+
+def allow_sharded_updates(optimizer) -> None:
+    """Lets a Keras 3 optimizer update variables split by a variable partitioner.
+
+    Keras sends every update through `strategy.extended.update`, which colocates with the
+    variable and fails on a ShardedVariable ("doesn't support being used as a reference").
+    For a sharded variable the update step is called directly instead: it reads the whole
+    value and `ShardedVariable.assign*` writes each slice to the parameter server holding
+    that shard. Other variables keep Keras's path.
+    """
+    targets = [optimizer]
+    if getattr(optimizer, "inner_optimizer", None) is not None:  # LossScaleOptimizer
+        targets.append(optimizer.inner_optimizer)
+    for target in targets:
+        def update(distribution, grads_and_vars, learning_rate, target=target):
+            for grad, var in grads_and_vars:
+                if isinstance(var, sharded_variable.ShardedVariable):
+                    target.update_step(grad, var, learning_rate)
+                else:
+                    distribution.extended.update(
+                        var, lambda v, g, lr: target.update_step(g, v, lr),
+                        args=(grad, learning_rate), group=False)
+
+        target._distributed_tf_update_step = update  # pylint: disable=protected-access
+
+
+class AsyncSteps:
+    """Schedules train functions on the workers and reports each one as it finishes.
+
+    At most `in_flight` functions are scheduled at once (default: two per worker), so the
+    workers never wait for the chief and the chief reports progress in order.
+    """
+
+    def __init__(self, strategy: tf.distribute.Strategy, in_flight: int | None = None):
+        self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        self.in_flight = in_flight or 2 * describe(strategy).num_workers
+
+    def per_worker_dataset(self, dataset_fn: Callable[[], tf.data.Dataset]):
+        """One copy of `dataset_fn()`'s dataset on every worker (rebuilt after a failure)."""
+        return self.coordinator.create_per_worker_dataset(dataset_fn)
+
+    def run(self, function, iterator, chunks: Iterable[int],
+            on_done: Callable[[int, float], None]) -> None:
+        """Schedules `function(iterator, n)` for each n in `chunks`; calls `on_done(n, result)`
+        in scheduling order as results arrive. Returns when every function has finished."""
+        pending: collections.deque = collections.deque()
+        for n in chunks:
+            pending.append((n, self.coordinator.schedule(function, args=(iterator, tf.constant(n)))))
+            while len(pending) >= self.in_flight:
+                done, value = pending.popleft()
+                on_done(done, float(value.fetch()))
+        while pending:
+            done, value = pending.popleft()
+            on_done(done, float(value.fetch()))
