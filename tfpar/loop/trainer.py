@@ -23,6 +23,9 @@ from typing import Sequence
 import keras
 import tensorflow as tf
 
+from tfpar.compression import accounting
+from tfpar.compression.aggregation import Compression
+from tfpar.compression.compressors import Compressor
 from tfpar.errors import TfparError
 from tfpar.loop import parameter_server
 from tfpar.loop.aggregation import AllReduce, GradientAggregator, NoReduce
@@ -80,6 +83,8 @@ class Trainer:
       accumulate: micro-batches per optimizer step; each batch of the dataset is one
         micro-batch, so one step consumes `accumulate` batches.
       aggregator: the gradient-aggregation seam (default: one batched all-reduce).
+      compression: a tfpar.compression compressor (e.g. TopK(0.01)) or a Compression
+        (compressor + policy); shorthand for the aggregator that compresses.
       xla: jit-compile forward + backward (default on). The compiled function is pure:
         it takes the variables' values as tensors (Keras `stateless_call`), which is what
         lets XLA run under MirroredStrategy too (a compiled function that captures mirrored
@@ -89,12 +94,17 @@ class Trainer:
     def __init__(self, model: keras.Model, optimizer: keras.optimizers.Optimizer,
                  loss: keras.losses.Loss, strategy: tf.distribute.Strategy | None = None, *,
                  steps_per_loop: int = 1, accumulate: int = 1,
-                 aggregator: GradientAggregator | None = None, xla: bool | None = None):
+                 aggregator: GradientAggregator | None = None,
+                 compression: Compressor | Compression | None = None, xla: bool | None = None):
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.strategy = strategy or tf.distribute.get_strategy()
         if steps_per_loop < 1 or accumulate < 1:
             raise TrainerError("steps_per_loop and accumulate must be >= 1.")
         self.steps_per_loop, self.accumulate = steps_per_loop, accumulate
+        if compression is not None:
+            if aggregator is not None:
+                raise TrainerError("Give aggregator or compression, not both.")
+            aggregator = compression if isinstance(compression, Compression) else Compression(compression)
         self._async = None
         if parameter_server.is_parameter_server(self.strategy):
             if aggregator is not None:
@@ -118,6 +128,9 @@ class Trainer:
         _no_second_all_reduce(optimizer)
         with self.strategy.scope():
             optimizer.build(model.trainable_variables)  # before any traced step
+            if hasattr(self.aggregator, "build"):
+                self.aggregator.build(model.trainable_variables)
+        self.step = 0  # the next optimizer step; fit sets it from start_step
         self._compute = tf.function(self._stateless_forward_backward, jit_compile=self.xla,
                                     reduce_retracing=True)
         self._train_loop = tf.function(self._train_loop_fn, reduce_retracing=True)
@@ -177,7 +190,9 @@ class Trainer:
         self.optimizer.apply(summed, variables)
         return total
 
-    def _train_loop_fn(self, iterator, steps):
+    def _train_loop_fn(self, iterator, steps, phase=None):
+        if hasattr(self.aggregator, "set_phase"):  # e.g. compression warm-up: its own trace
+            self.aggregator.set_phase(phase)
         total = tf.constant(0.0)
         for _ in tf.range(steps):
             batches = [next(iterator) for _ in range(self.accumulate)]
@@ -187,12 +202,49 @@ class Trainer:
 
     # -- the loop ---------------------------------------------------------------------
 
+    def _phase(self, step: int):
+        return self.aggregator.phase(step) if hasattr(self.aggregator, "phase") else None
+
+    def _boundaries(self) -> tuple[int, ...]:
+        return tuple(getattr(self.aggregator, "boundaries", ()))
+
     def train_steps(self, iterator, steps: int) -> float:
-        """Runs `steps` optimizer steps from `iterator`; returns their mean loss."""
+        """Runs `steps` optimizer steps from `iterator` from `self.step`; returns their mean loss."""
         if self._async:
-            return float(self._async.coordinator.schedule(
+            loss = float(self._async.coordinator.schedule(
                 self._train_loop, args=(iterator, tf.constant(steps))).fetch())
-        return float(self._train_loop(iterator, tf.constant(steps)))
+        else:
+            loss = float(self._train_loop(iterator, tf.constant(steps), self._phase(self.step)))
+        self.step += steps
+        return loss
+
+    def checkpoint_items(self) -> dict:
+        """Trackables the Trainer adds to checkpoints (compression state), by name."""
+        items = getattr(self.aggregator, "checkpoint_items", None)
+        return items() if items else {}
+
+    def traced_step(self, dataset, phase=None):
+        """The concrete function of one train step on `dataset` (for inspection)."""
+        return self._train_loop.get_concrete_function(iter(dataset), tf.constant(1),
+                                                      phase if phase is not None else self._phase(self.step))
+
+    def wire_bytes(self, dataset) -> dict:
+        """Bytes one replica hands to collectives per step, counted from the traced graph,
+        and the ratio to one float32 all-reduce of every gradient. Collectives whose size
+        depends on the data (sparse embedding gradients) are counted in
+        `dynamic_collectives`, not in the bytes."""
+        found = accounting.collectives(self.traced_step(dataset))
+        sent = accounting.bytes_per_replica(found)
+        dense = accounting.fp32_bytes(self.model.trainable_variables)
+        return {"bytes_per_step": sent, "fp32_bytes_per_step": dense,
+                "ratio": dense / sent if sent else float("inf"),
+                "dynamic_collectives": len(accounting.dynamic(found))}
+
+    def _chunks(self, start: int, end: int) -> list[int]:
+        """Step counts per tf.function call: steps_per_loop, cut at phase boundaries."""
+        cuts = sorted({*range(start, end, self.steps_per_loop), end,
+                       *(b for b in self._boundaries() if start < b < end)})
+        return [b - a for a, b in zip(cuts, cuts[1:])]
 
     def per_worker_dataset(self, dataset_fn):
         """parameter_server only: `dataset_fn()` built on every worker, for `fit`.
@@ -224,14 +276,14 @@ class Trainer:
         steps_per_epoch = steps_per_epoch or steps
         callback_list = keras.callbacks.CallbackList(list(callbacks), model=self.model)
         iterator = iter(dataset)
+        self.step = start_step
         callback_list.on_train_begin()
         step, logs = start_step, {}
         while step < steps:
             epoch = step // steps_per_epoch
             epoch_end = min((epoch + 1) * steps_per_epoch, steps)
             callback_list.on_epoch_begin(epoch)
-            sizes = [min(self.steps_per_loop, epoch_end - s)
-                     for s in range(step, epoch_end, self.steps_per_loop)]
+            sizes = self._chunks(step, epoch_end)
             mean = _RunningMean()
 
             def on_chunk(n: int, loss: float) -> None:
@@ -241,6 +293,7 @@ class Trainer:
                 callback_list.on_train_batch_end(step - epoch * steps_per_epoch - 1, logs)
 
             self._run_chunks(iterator, sizes, on_chunk)
+            self.step = step
             callback_list.on_epoch_end(epoch, logs)
         callback_list.on_train_end(logs)
         return logs
@@ -248,15 +301,4 @@ class Trainer:
     def collective_ops(self, dataset) -> list[tuple[str, str]]:
         """(type, name) of every collective op in one traced train step, nested functions
         included: the evidence that gradients cross the wire once, in the aggregator."""
-        concrete = self._train_loop.get_concrete_function(iter(dataset), tf.constant(1))
-        found = []
-
-        def visit(graph):
-            for op in graph.get_operations():
-                if op.type.startswith("Collective") or op.type == "NcclAllReduce":
-                    found.append((op.type, op.name))
-            for function in graph._functions.values():  # pylint: disable=protected-access
-                visit(function.graph)
-
-        visit(concrete.graph)
-        return found
+        return [(c.type, c.name) for c in accounting.collectives(self.traced_step(dataset))]

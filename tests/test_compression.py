@@ -1,0 +1,245 @@
+"""Gradient compression: exactness where it must be exact, error feedback, bytes counted."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpar
+from scripts import fit_model
+from tfpar import compression as C
+from tfpar.compression import accounting
+from tfpar.loop import Trainer
+
+ALL = ["none", "fp16", "bf16", "int8", "topk", "powersgd", "sign"]
+
+
+def mirrored(replicas):
+    return tfpar.create_strategy("mirrored", devices=[f"/cpu:{i}" for i in range(replicas)])
+
+
+def mlp():
+    """Dense layers only: every gradient is dense, so every byte has a static size."""
+    inputs = keras.Input((32,))
+    x = keras.layers.Dense(64, activation="relu")(inputs)
+    x = keras.layers.LayerNormalization()(x)
+    x = keras.layers.Dense(64, activation="relu")(x)
+    return keras.Model(inputs, keras.layers.Dense(4)(x))
+
+
+def mlp_data(batch=16, steps=6):
+    rng = np.random.RandomState(1)
+    x = rng.normal(size=(batch * steps, 32)).astype("float32")
+    y = (np.abs(x[:, :4]).argmax(1)).astype("int32")
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+
+
+def trainer_for(strategy, build, weights, compression=None, **options):
+    with strategy.scope():
+        model = build()
+        model.set_weights(weights)
+        optimizer = keras.optimizers.SGD(learning_rate=0.1, momentum=0.9)
+    trainer = Trainer(model, optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      strategy=strategy, compression=compression, **options)
+    return model, trainer
+
+
+@pytest.fixture(scope="module")
+def mlp_weights():
+    keras.utils.set_random_seed(0)
+    return mlp().get_weights()
+
+
+def run_per_replica(strategy, function, *values):
+    """Runs `function(replica_id, *values)` in every replica inside a tf.function."""
+    @tf.function
+    def step():
+        def replica():
+            index = tf.distribute.get_replica_context().replica_id_in_sync_group
+            return function(index, *values)
+        return strategy.run(replica)
+    return [r for r in strategy.experimental_local_results(step())]
+
+
+# -- exactness ---------------------------------------------------------------------------
+
+def test_none_equals_the_plain_loop_bit_for_bit():
+    strategy = mirrored(2)
+    weights = fit_model.initial_weights()
+    dataset = strategy.experimental_distribute_dataset(fit_model.dataset())
+    plain_model, plain = trainer_for(strategy, fit_model.build_model, weights)
+    plain.fit(dataset, steps=fit_model.STEPS)
+    model, trainer = trainer_for(strategy, fit_model.build_model, weights, C.NoCompression())
+    trainer.fit(dataset, steps=fit_model.STEPS)
+    for a, b in zip(model.get_weights(), plain_model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_fp16_stays_within_fp16_rounding(mlp_weights):
+    strategy = mirrored(2)
+    dataset = strategy.experimental_distribute_dataset(mlp_data())
+    plain_model, plain = trainer_for(strategy, mlp, mlp_weights)
+    plain.fit(dataset, steps=6)
+    model, trainer = trainer_for(strategy, mlp, mlp_weights, C.Compression(C.FP16(), C.Policy(min_size=0)))
+    trainer.fit(dataset, steps=6)
+    moved = max(np.abs(a - b).max() for a, b in zip(plain_model.get_weights(), mlp_weights))
+    for a, b in zip(model.get_weights(), plain_model.get_weights()):
+        np.testing.assert_allclose(a, b, atol=2e-3 * moved, rtol=2e-3)
+
+
+def test_topk_with_ratio_one_is_the_dense_sum():
+    strategy = mirrored(2)
+    grads = [np.random.RandomState(i).normal(size=(2, 40, 30)).astype("float32") for i in range(2)]
+    with strategy.scope():
+        variables = [tf.Variable(tf.zeros([40, 30])), tf.Variable(tf.zeros([30, 30]))]
+        compression = C.Compression(C.TopK(1.0), C.Policy(min_size=0))
+        compression.build(variables)
+    results = run_per_replica(strategy, lambda r, a, b: compression([tf.gather(a, r)[:40],
+                                                                     tf.gather(b, r)[:30]], variables),
+                              tf.constant(grads[0]), tf.constant(grads[1][:, :30]))
+    for replica in results:
+        np.testing.assert_allclose(replica[0], grads[0].sum(0), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(replica[1], grads[1][:, :30].sum(0), rtol=1e-6, atol=1e-6)
+
+
+def test_powersgd_is_exact_on_a_matrix_of_rank_at_most_its_rank():
+    strategy = mirrored(2)
+    rng = np.random.RandomState(3)
+    # each replica's gradient has rank 1, the sum rank 2 <= 4
+    per_replica = np.stack([np.outer(rng.normal(size=48), rng.normal(size=40)) for _ in range(2)])
+    with strategy.scope():
+        variables = [tf.Variable(tf.zeros([48, 40]))]
+        compression = C.Compression(C.PowerSGD(rank=4), C.Policy(min_size=0))
+        compression.build(variables)
+    results = run_per_replica(strategy, lambda r, g: compression([tf.gather(g, r)], variables),
+                              tf.constant(per_replica.astype("float32")))
+    for replica in results:
+        np.testing.assert_allclose(replica[0], per_replica.sum(0), rtol=1e-4, atol=1e-4)
+    residual = compression.state[next(iter(compression.state))]["residual"]
+    owed = sum(v.numpy() for v in strategy.experimental_local_results(residual))
+    assert np.abs(owed).max() < 1e-4  # the replicas' residuals cancel: nothing is owed
+
+
+@pytest.mark.parametrize("name", ["topk", "sign", "powersgd"])
+def test_error_feedback_sent_plus_new_residual_is_gradient_plus_old(name):
+    """On one replica the aggregate is exactly what this replica sent."""
+    compressor = C.get(name, **({"ratio": 0.05} if name == "topk" else {"rank": 2} if name == "powersgd" else {}))
+    variables = [tf.Variable(tf.zeros([24, 20]))]
+    compression = C.Compression(compressor, C.Policy(min_size=0))
+    compression.build(variables)
+    residual = compression.state[next(iter(compression.state))]["residual"]
+    step = tf.function(lambda g: compression([g], variables)[0])
+    rng = np.random.RandomState(0)
+    for _ in range(3):  # the old residual is non-zero from the second call on
+        gradient = rng.normal(size=(24, 20)).astype("float32")
+        old = residual.numpy().copy()
+        sent = step(tf.constant(gradient)).numpy()
+        np.testing.assert_allclose(sent + residual.numpy(), gradient + old, rtol=1e-5, atol=1e-5)
+        assert np.abs(residual.numpy()).max() > 0  # it does compress
+
+
+def test_packing_round_trips():
+    values = tf.constant(np.arange(-127, 128, dtype=np.int8))
+    np.testing.assert_array_equal(C.packing.unpack_int8(C.packing.pack_int8(values), 255), values)
+    bits = tf.constant(np.random.RandomState(0).rand(77) > 0.5)
+    np.testing.assert_array_equal(C.packing.unpack_bits(C.packing.pack_bits(bits), 77), bits)
+
+
+def test_payload_bits_survive_the_collective_unchanged():
+    """Words travel as float32 bits: NaN and denormal patterns must arrive as sent."""
+    from tfpar.compression.aggregation import _all_gather_words
+
+    strategy = mirrored(2)
+    words = tf.constant([0, 1, 5, -1, 0x7FC00001, 0x7F800001, -0x00400000, 2**31 - 1, -2**31], tf.int32)
+    results = run_per_replica(strategy, lambda r, w: _all_gather_words(
+        tf.distribute.get_replica_context(), (w + tf.cast(r, tf.int32) * 0)[None]), words)
+    for gathered in results:
+        np.testing.assert_array_equal(gathered.numpy(), np.stack([words.numpy()] * 2))
+
+
+def test_int8_is_unbiased():
+    gradient = tf.constant(np.random.RandomState(0).normal(size=1000).astype("float32"))
+    int8 = C.Int8(seed=1)
+    decoded = np.mean([int8.decode_sum(int8.encode(gradient)[None], 1000).numpy() for _ in range(200)], 0)
+    scale = float(tf.reduce_max(tf.abs(gradient))) / 127
+    assert np.abs(decoded - gradient.numpy()).max() < 0.35 * scale  # one step: up to `scale`
+
+
+# -- the wire ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ALL)
+def test_bytes_counted_in_the_graph_match_the_analytic_size(name, mlp_weights):
+    strategy = mirrored(2)
+    dataset = strategy.experimental_distribute_dataset(mlp_data())
+    model, trainer = trainer_for(strategy, mlp, mlp_weights, C.get(name))
+    wire = trainer.wire_bytes(dataset)
+    analytic = trainer.aggregator.payload_bytes(model.trainable_variables)
+    assert wire["dynamic_collectives"] == 0
+    assert wire["bytes_per_step"] == sum(analytic.values()), (wire, analytic)
+    assert wire["fp32_bytes_per_step"] == 4 * model.count_params()
+    expected_ratio = {"none": 1.0, "fp16": 1.8, "bf16": 1.8, "int8": 2.5, "topk": 5.0,
+                      "powersgd": 4.5, "sign": 6.0}[name]
+    assert wire["ratio"] >= expected_ratio, wire
+
+
+@pytest.mark.parametrize("name", ["topk", "powersgd", "sign", "int8"])
+def test_no_compressed_tensor_is_also_sent_dense(name, mlp_weights):
+    strategy = mirrored(2)
+    dataset = strategy.experimental_distribute_dataset(mlp_data())
+    model, trainer = trainer_for(strategy, mlp, mlp_weights, C.get(name))
+    plan = trainer.aggregator.plan
+    assert any(plan), "something must be compressed"
+    uncompressed = sum(4 * int(v.shape.num_elements())
+                       for v, c in zip(model.trainable_variables, plan) if c is None)
+    found = accounting.collectives(trainer.traced_step(dataset))
+    device = found[0].device
+    dense = sum(c.bytes for c in found if c.device == device and c.type == "CollectiveReduceV2"
+                and c.dtype == "float32" and name != "powersgd")
+    if name == "powersgd":  # its P and Q all-reduces are float32 too: count them out
+        low_rank = sum(trainer.aggregator.payload_bytes(model.trainable_variables)[p]
+                       for p, c in zip(trainer.aggregator.paths, plan) if c is not None)
+        dense = sum(c.bytes for c in found if c.device == device and c.type == "CollectiveReduceV2"
+                    and c.dtype == "float32") - low_rank
+    assert dense == uncompressed
+
+
+def test_warmup_steps_go_uncompressed(mlp_weights):
+    strategy = mirrored(2)
+    dataset = strategy.experimental_distribute_dataset(mlp_data(steps=8))
+    model, trainer = trainer_for(strategy, mlp, mlp_weights,
+                                 C.Compression(C.TopK(0.1), C.Policy(warmup_steps=3)), steps_per_loop=2)
+    assert trainer._chunks(0, 8) == [2, 1, 1, 2, 2]  # cut at the warm-up boundary
+    warm = accounting.bytes_per_replica(accounting.collectives(trainer.traced_step(dataset, "warmup")))
+    assert warm == 4 * model.count_params()
+    trainer.fit(dataset, steps=8)
+    assert trainer.step == 8
+
+
+def test_error_feedback_state_is_checkpointed_and_restored(tmp_path, mlp_weights):
+    strategy = mirrored(2)
+    dataset = strategy.experimental_distribute_dataset(mlp_data())
+    model, trainer = trainer_for(strategy, mlp, mlp_weights, C.TopK(0.05))
+    trainer.fit(dataset, steps=3)
+    state = trainer.checkpoint_items()["compression"]
+    residuals = {k: v["residual"].numpy() for k, v in state.state.items()}  # mean over replicas
+    assert residuals and all(np.abs(r).max() > 0 for r in residuals.values())
+    checkpoint = tf.train.Checkpoint(**trainer.checkpoint_items())
+    path = checkpoint.save(str(tmp_path / "ckpt"))
+    for slots in state.state.values():
+        slots["residual"].assign(tf.zeros_like(slots["residual"]))
+    checkpoint.restore(path)
+    for key, slots in state.state.items():
+        for replica_value in strategy.experimental_local_results(slots["residual"]):
+            np.testing.assert_allclose(replica_value, residuals[key], rtol=1e-6)
+    assert C.Compression(C.TopK(0.05), reset_on_restore=True).checkpoint_items() == {}
+
+
+def test_bad_options_are_refused_clearly():
+    with pytest.raises(C.CompressionError, match="Unknown compressor 'zip'; choose one of none, fp16"):
+        C.get("zip")
+    with pytest.raises(C.CompressionError, match="topk ratio must be in"):
+        C.get("topk", ratio=0)
+    with pytest.raises(C.CompressionError, match="does not take"):
+        C.get("sign", rank=3)
+    with pytest.raises(C.CompressionError, match="regex"):
+        C.Policy(overrides={"(": "none"})

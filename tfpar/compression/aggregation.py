@@ -1,0 +1,199 @@
+"""Compressed gradient aggregation: the Trainer's aggregation seam with a compressor in it.
+
+Called once per step in the replica context with this replica's gradients; returns the
+gradients summed over all replicas, having sent each through its compressor (chosen per
+tensor by the policy). Collectives are fused: one all-reduce for every float32 tensor,
+one per cheaper dtype, one all-gather for every packed payload, and two all-reduces for
+all PowerSGD matrices. Nothing is reduced twice: the Trainer keeps Keras from its own
+all-reduce, so these are the only collectives on the gradients.
+
+Error-feedback residuals and PowerSGD's warm-start Q are variables with one copy per
+replica (ON_READ). They are checkpointed with the model: a checkpoint stores their mean
+over replicas and a restore gives each replica that mean, so the total residual (what the
+replicas still owe the model) is kept; `reset_on_restore=True` leaves them out instead.
+
+Example:
+    >>> trainer = Trainer(model, optimizer, loss, strategy=strategy,
+    ...                   compression=Compression(TopK(0.01), Policy(warmup_steps=50)))
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+import tensorflow as tf
+
+from tfpar.compression.compressors import (CompressionError, Compressor, GatherCompressor,
+                                           ReduceCompressor)
+from tfpar.compression.policy import Policy
+from tfpar.compression.powersgd import PowerSGD
+
+SIZE_EXCHANGE_BYTES = 8  # every all_gather first gathers its input's shape: 2 x int32 here
+
+
+def _state_name(index: int, path: str) -> str:
+    return f"{index:03d}_" + re.sub(r"[^A-Za-z0-9_.]", "_", path)
+
+
+class Compression(tf.Module):
+    """Aggregates gradients through `compressor` under `policy` (see module docstring)."""
+
+    def __init__(self, compressor: Compressor, policy: Policy | None = None,
+                 reset_on_restore: bool = False):
+        super().__init__(name="compression")
+        if not isinstance(compressor, Compressor):
+            raise CompressionError(f"Expected a tfpar.compression compressor, got {compressor!r}.")
+        self.compressor, self.policy = compressor, policy or Policy()
+        self.reset_on_restore = reset_on_restore
+        self.plan: list[Compressor | None] = []
+        self.paths: list[str] = []
+        self.state: dict = {}
+        self._phase = None
+
+    # -- set-up (cross-replica context, under strategy.scope()) -------------------------
+
+    def build(self, variables: Sequence[tf.Variable]) -> None:
+        """Chooses a compressor per variable and creates the per-replica state."""
+        _check_dtype_support(self.compressor, tf.distribute.get_strategy())
+        self.paths = [getattr(v, "path", v.name) for v in variables]
+        self.plan = [self.policy.choose(path, tuple(v.shape), self.compressor)
+                     for path, v in zip(self.paths, variables)]
+        for index, (path, variable, chosen) in enumerate(zip(self.paths, variables, self.plan)):
+            if chosen is None or not chosen.error_feedback:
+                continue
+            slots = {"residual": _per_replica(tf.zeros(variable.shape, tf.float32), "residual")}
+            if isinstance(chosen, PowerSGD):
+                slots["q"] = _per_replica(chosen.initial_q(variable.shape, index), "q")
+            self.state[_state_name(index, path)] = slots
+
+    def checkpoint_items(self) -> dict:
+        """What the Trainer adds to its checkpoint (nothing with reset_on_restore)."""
+        return {} if self.reset_on_restore or not self.state else {"compression": self}
+
+    # -- warm-up: the Trainer traces one step per phase ----------------------------------
+
+    @property
+    def boundaries(self) -> tuple[int, ...]:
+        return (self.policy.warmup_steps,) if self.policy.warmup_steps else ()
+
+    def phase(self, step: int) -> str:
+        return "warmup" if step < self.policy.warmup_steps else "compressed"
+
+    def set_phase(self, phase) -> None:
+        self._phase = phase
+
+    # -- the step (replica context) ------------------------------------------------------
+
+    def __call__(self, gradients: Sequence[tf.Tensor], variables: Sequence[tf.Variable]) -> list:
+        context = tf.distribute.get_replica_context()
+        replicas = context.num_replicas_in_sync
+        communicate = replicas > 1 or getattr(context.strategy.extended, "_num_workers", 1) > 1
+        plan = [None] * len(gradients) if self._phase == "warmup" else self.plan
+        result: list = [None] * len(gradients)
+
+        def all_reduce(tensors: list) -> list:
+            if not tensors or not communicate:
+                return list(tensors)
+            return context.all_reduce(tf.distribute.ReduceOp.SUM, list(tensors))
+
+        # float32 and cheaper-dtype tensors: one fused all-reduce per wire dtype.
+        by_dtype: dict = {}
+        for i, (g, chosen) in enumerate(zip(gradients, plan)):
+            if chosen is None or isinstance(chosen, ReduceCompressor):
+                by_dtype.setdefault(chosen.wire_dtype if chosen else tf.float32, []).append(i)
+        for indices in by_dtype.values():
+            sent = [plan[i].encode(_dense(gradients[i]), replicas) if plan[i] else gradients[i]
+                    for i in indices]
+            for i, summed in zip(indices, all_reduce(sent)):
+                result[i] = plan[i].decode(summed, replicas) if plan[i] else summed
+
+        # packed payloads: one all-gather of every replica's concatenated words.
+        gathered = [i for i, c in enumerate(plan) if isinstance(c, GatherCompressor)]
+        if gathered:
+            words = [self._encode_with_feedback(i, plan[i], gradients[i]) for i in gathered]
+            sizes = [int(w.shape[0]) for w in words]
+            everyone = tf.concat(words, 0)[None]
+            if communicate:
+                everyone = _all_gather_words(context, everyone)  # [R, total words]
+            for i, part, size in zip(gathered, tf.split(everyone, sizes, axis=1), sizes):
+                flat = plan[i].decode_sum(part, int(gradients[i].shape.num_elements()))
+                result[i] = tf.reshape(flat, gradients[i].shape)
+
+        # PowerSGD: two fused all-reduces for every matrix.
+        low_rank = [i for i, c in enumerate(plan) if isinstance(c, PowerSGD)]
+        if low_rank:
+            psgd: PowerSGD = plan[low_rank[0]]
+            matrices, residuals, qs = [], [], []
+            for i in low_rank:
+                slots = self.state[_state_name(i, self.paths[i])]
+                n, m = psgd.matrix_shape(gradients[i].shape)
+                matrices.append(tf.reshape(_dense(gradients[i]), [n, m])
+                                + tf.reshape(slots["residual"], [n, m]))
+                residuals.append(slots["residual"])
+                qs.append(slots["q"])
+            approx = psgd.aggregate(matrices, qs, all_reduce)
+            for i, matrix, residual, total in zip(low_rank, matrices, residuals, approx):
+                residual.assign(tf.reshape(matrix - total / replicas, residual.shape))
+                result[i] = tf.reshape(total, gradients[i].shape)
+        return result
+
+    def _encode_with_feedback(self, index: int, compressor: GatherCompressor, gradient) -> tf.Tensor:
+        flat = tf.reshape(_dense(gradient), [-1])
+        if not compressor.error_feedback:
+            return compressor.encode(flat)
+        residual = self.state[_state_name(index, self.paths[index])]["residual"]
+        accumulated = flat + tf.reshape(residual, [-1])
+        words = compressor.encode(accumulated)
+        sent = compressor.decode_sum(words[None], int(flat.shape[0]))
+        residual.assign(tf.reshape(accumulated - sent, residual.shape))
+        return words
+
+    # -- byte accounting -----------------------------------------------------------------
+
+    def payload_bytes(self, variables: Sequence[tf.Variable], phase: str = "compressed") -> dict:
+        """Analytic bytes per replica per step, per variable path, plus '(size exchange)'."""
+        plan = [None] * len(variables) if phase == "warmup" else self.plan
+        report, gathers = {}, False
+        for path, variable, chosen in zip(self.paths, variables, plan):
+            size = int(variable.shape.num_elements())
+            report[path] = (chosen.payload_bytes(size, variable.shape) if chosen else 4 * size)
+            gathers |= isinstance(chosen, GatherCompressor)
+        if gathers:
+            report["(size exchange)"] = SIZE_EXCHANGE_BYTES
+        return report
+
+    def describe(self, variables: Sequence[tf.Variable]) -> list[tuple[str, str, int, int]]:
+        """(path, compressor, fp32 bytes, bytes sent) per variable: the plan as a table."""
+        sent = self.payload_bytes(variables)
+        return [(path, repr(c) if c else "none", 4 * int(v.shape.num_elements()), sent[path])
+                for path, v, c in zip(self.paths, variables, self.plan)]
+
+
+def _all_gather_words(context, words: tf.Tensor) -> tf.Tensor:
+    """All-gathers int32 words as float32 bits. MirroredStrategy sends int32 through a
+    copy to one device instead of its collectives; the bitcast keeps every strategy on
+    CollectiveGatherV2, which copies the bits as they are (tested with NaN and denormal
+    patterns)."""
+    gathered = context.all_gather(tf.bitcast(words, tf.float32), axis=0)
+    return tf.bitcast(gathered, tf.int32)
+
+
+def _dense(gradient) -> tf.Tensor:
+    return tf.cast(tf.convert_to_tensor(gradient), tf.float32)
+
+
+def _per_replica(initial: tf.Tensor, name: str) -> tf.Variable:
+    return tf.Variable(initial, trainable=False, name=name,
+                       synchronization=tf.VariableSynchronization.ON_READ,
+                       aggregation=tf.VariableAggregation.MEAN)
+
+
+def _check_dtype_support(compressor: Compressor, strategy: tf.distribute.Strategy) -> None:
+    if getattr(compressor, "wire_dtype", None) != tf.bfloat16:
+        return
+    devices = getattr(strategy.extended, "worker_devices", ())
+    if any("GPU" in d.upper() for d in devices):
+        raise CompressionError(
+            "bf16 gradients cannot be summed by NCCL, the all-reduce used on GPUs. Use "
+            "compression 'fp16' there (same 2x saving, pre-scaled so it cannot overflow).")

@@ -1,0 +1,58 @@
+"""Which gradient gets which compressor.
+
+By default, small tensors (fewer than `min_size` elements), biases, normalisation scales
+and offsets, and embeddings go as plain float32: they are cheap, or they do not tolerate
+compression well. `overrides` maps regexes over variable paths to a compressor name (or
+"none"); the first match wins and beats the defaults. `warmup_steps` runs the first steps
+uncompressed.
+
+Example:
+    >>> policy = Policy(min_size=4096, overrides={r"embedding": "topk"}, warmup_steps=100)
+    >>> policy.choose("gpt/blocks.0/attn/query/kernel", (128, 4, 32), topk)   # -> topk
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Mapping
+
+from tfpar.compression.compressors import CompressionError, Compressor
+
+DEFAULT_SKIP = (r"bias", r"norm|gamma|beta", r"embed")
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    min_size: int = 1024
+    skip: tuple[str, ...] = DEFAULT_SKIP
+    overrides: Mapping[str, Compressor | str] = dataclasses.field(default_factory=dict)
+    warmup_steps: int = 0
+
+    def __post_init__(self):
+        if self.min_size < 0 or self.warmup_steps < 0:
+            raise CompressionError("Policy min_size and warmup_steps must be >= 0.")
+        for pattern in (*self.skip, *self.overrides):
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise CompressionError(f"Compression policy regex {pattern!r} is invalid: {e}.") from None
+
+    def choose(self, path: str, shape, default: Compressor) -> Compressor | None:
+        """The compressor for the variable at `path` (None: plain float32 all-reduce)."""
+        from tfpar.compression import get  # names -> compressors
+
+        for pattern, chosen in self.overrides.items():
+            if re.search(pattern, path):
+                chosen = get(chosen) if isinstance(chosen, str) else chosen
+                return self._fit(chosen, shape)
+        if math.prod(shape) < self.min_size or any(re.search(p, path) for p in self.skip):
+            return None
+        return self._fit(default, shape)
+
+    @staticmethod
+    def _fit(compressor: Compressor, shape) -> Compressor | None:
+        if compressor.name == "none" or not compressor.applies_to(shape):
+            return None
+        return compressor
