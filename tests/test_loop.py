@@ -65,8 +65,8 @@ def test_gradients_cross_the_wire_once(fit_reference):
     optimizer_scope = trainer.optimizer.name
     assert ops and not [name for _, name in ops if f"{optimizer_scope}" in name.split("/")[1]]
     dense = [name for kind, name in ops if kind == "CollectiveReduceV2"]
-    # one packed all-reduce of the dense gradients per replica (+ its size exchange); the
-    # embedding's sparse gradient goes by all-gather, also once.
+    # one packed all-reduce of every gradient per replica (the embedding's sparse gradient,
+    # with more rows than the table, goes dense in it).
     assert len(dense) == strategy.num_replicas_in_sync
 
     # Without tfpar's guard Keras's optimizer all-reduces the same gradients again.

@@ -22,6 +22,14 @@ def _duration(seconds: float) -> str:
     return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
 
 
+def _size(count: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if count < 1000 or unit == "GB":
+            return f"{count:,.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1000
+    return f"{count:.1f} GB"
+
+
 def current_learning_rate(optimizer) -> float:
     lr = optimizer.learning_rate
     return float(lr(optimizer.iterations) if callable(lr) else lr)
@@ -31,8 +39,10 @@ class Progress(keras.callbacks.Callback):
     """Every `log_every` steps: step, loss, throughput, learning rate, ETA (chief only)."""
 
     def __init__(self, total_steps: int, start_step: int, steps_per_epoch: int, log_every: int,
-                 units_per_step: int, unit: str = "tok", verbose: bool = True, out=None):
+                 units_per_step: int, unit: str = "tok", verbose: bool = True, out=None,
+                 wire: dict | None = None):
         super().__init__()
+        self.wire = wire  # bytes per replica per step and ratio to float32 (None: no all-reduce)
         self.total_steps, self.step, self.steps_per_epoch = total_steps, start_step, steps_per_epoch
         self.log_every, self.units_per_step, self.unit = log_every, units_per_step, unit
         self.verbose, self.out = verbose, out or sys.stdout
@@ -68,11 +78,16 @@ class Progress(keras.callbacks.Callback):
         self.last = {"step": self.step, "loss": self._window_loss(float(logs.get("loss", "nan"))),
                      f"{self.unit}_per_s": rate,
                      "learning_rate": current_learning_rate(self.model.optimizer)}
+        wire = ""
+        if self.wire:
+            per_s = self.wire["bytes_per_step"] * steps / max(now - self._window_t, 1e-9)
+            self.last.update(wire_bytes_per_s=per_s, compression_ratio=self.wire["ratio"])
+            wire = f" | wire {_size(per_s)}/s ({self.wire['ratio']:.0f}x)"
         self._window_t, self._window_step = now, self.step
         if self.verbose:
             width = len(str(self.total_steps))
             print(f"step {self.step:>{width}}/{self.total_steps} | loss {self.last['loss']:.4f} | "
-                  f"{rate:,.0f} {self.unit}/s | lr {self.last['learning_rate']:.2e} | "
+                  f"{rate:,.0f} {self.unit}/s{wire} | lr {self.last['learning_rate']:.2e} | "
                   f"ETA {_duration(eta)}", file=self.out, flush=True)
 
 
@@ -90,6 +105,9 @@ class Summaries(keras.callbacks.Callback):
                 tf.summary.scalar("train/loss", last["loss"])
                 tf.summary.scalar("train/learning_rate", last["learning_rate"])
                 tf.summary.scalar(f"train/{self.progress.unit}_per_s", last[f"{self.progress.unit}_per_s"])
+                if "wire_bytes_per_s" in last:
+                    tf.summary.scalar("train/wire_bytes_per_s", last["wire_bytes_per_s"])
+                    tf.summary.scalar("train/compression_ratio", last["compression_ratio"])
             self._written = last["step"]
 
     def on_train_end(self, logs=None):

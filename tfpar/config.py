@@ -40,6 +40,16 @@ def base_config() -> ml_collections.ConfigDict:
         # a fixed number of shards or in shards of at least this many bytes.
         partition_shards=0, partition_min_bytes=0))
     c.precision = "float32"             # or mixed_bfloat16 / mixed_float16
+    # Gradient compression (fit and loop): none | fp16 | bf16 | int8 | topk | powersgd | sign.
+    c.compression = "none"
+    c.compression_args = ml_collections.ConfigDict(dict(
+        ratio=0.01,             # topk: fraction of entries sent
+        rank=4,                 # powersgd: rank of the approximation
+        min_size=1024,          # tensors with fewer elements go uncompressed
+        warmup_steps=0,         # first steps uncompressed (loop mode only)
+        overrides="",           # "regex=name,regex=name" over variable paths, first match wins
+        skip="",                # regexes (comma-separated) replacing the default skip list
+        reset_on_restore=False))  # True: error-feedback state is not checkpointed
     c.seed = 0
     c.model = "gpt"                     # gpt | encoder | vit
     c.model_args = ml_collections.ConfigDict(dict(dim=128, depth=2, heads=4, mlp_ratio=4, dropout=0.0))
@@ -84,6 +94,17 @@ def validate(config) -> None:
              "set partition_shards or partition_min_bytes, not both.")
     _require(config.precision in PRECISIONS, "precision",
              f"{config.precision!r} is not one of {', '.join(PRECISIONS)}.")
+    from tfpar.compression import COMPRESSORS
+
+    _require(config.compression in COMPRESSORS, "compression",
+             f"{config.compression!r} is not one of {', '.join(COMPRESSORS)}.")
+    ca = config.compression_args
+    _require(0 < ca.ratio <= 1, "compression_args.ratio", f"must be in (0, 1], got {ca.ratio}.")
+    _require(ca.rank >= 1, "compression_args.rank", f"must be >= 1, got {ca.rank}.")
+    _require(ca.min_size >= 0 and ca.warmup_steps >= 0, "compression_args.min_size",
+             "min_size and warmup_steps must be >= 0.")
+    _require(not (ca.warmup_steps and config.mode == "fit"), "compression_args.warmup_steps",
+             "warm-up steps need --config.mode=loop (Keras fit traces one train step).")
     _require(config.model in MODELS, "model", f"{config.model!r} is not one of {', '.join(MODELS)}.")
     fields = _model_fields(config.model)
     for key in config.model_args:

@@ -65,6 +65,31 @@ def _create_strategy(config):
     )
 
 
+def _compression(config, asynchronous: bool):
+    from tfpar import compression as compression_lib
+
+    if asynchronous and config.compression != "none":
+        raise ConfigError("config.compression: parameter_server has no all-reduce to compress "
+                          "(each worker sends its own gradients). Use multi_worker_mirrored, or "
+                          "--config.compression=none.")
+    return compression_lib.from_config(config.compression, **config.compression_args)
+
+
+def _wire_bytes(info, model, compression, trainer, train_data, asynchronous) -> dict | None:
+    """Bytes per replica per step: counted from the traced step (loop), or the compressor's
+    analytic sizes (fit, whose step Keras traces; the loop's tests show the two agree)."""
+    from tfpar.compression import accounting
+
+    if asynchronous or (info.replicas == 1 and info.num_workers == 1):
+        return None  # nothing is all-reduced
+    if trainer is not None:
+        return trainer.wire_bytes(train_data)
+    dense = accounting.fp32_bytes(model.trainable_variables)
+    sent = (sum(compression.payload_bytes(model.trainable_variables).values())
+            if compression is not None else dense)
+    return {"bytes_per_step": sent, "fp32_bytes_per_step": dense, "ratio": dense / sent}
+
+
 def train_and_evaluate(config, workdir: str) -> dict:
     """Trains with Keras fit under the configured strategy; returns the final results."""
     import keras
@@ -75,6 +100,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     from tfpar import data as data_lib
     from tfpar import recipes
     from tfpar.checkpoints import Checkpoints
+    from tfpar.compression import compress_fit
     from tfpar.evaluate import evaluate
     from tfpar.loop import Trainer
     from tfpar.sampling import generate
@@ -104,7 +130,15 @@ def train_and_evaluate(config, workdir: str) -> dict:
                       steps_per_execution=t.steps_per_loop, jit_compile=t.xla)
         optimizer = model.optimizer  # fp16: Keras wrapped it in a LossScaleOptimizer
         optimizer.build(model.trainable_variables)
-        checkpoints = Checkpoints(workdir, info.is_chief, model=model, optimizer=optimizer)
+        compression = _compression(config, asynchronous)
+        if compression is not None and config.mode == "fit":
+            compress_fit(model, compression)
+    trainer = None
+    if config.mode == "loop":
+        trainer = Trainer(model, optimizer, model.loss, strategy, steps_per_loop=t.steps_per_loop,
+                          compression=compression, xla=None if t.xla else False)
+    state = compression.checkpoint_items() if compression is not None else {}
+    checkpoints = Checkpoints(workdir, info.is_chief, model=model, optimizer=optimizer, **state)
     say(f"model: {model.name}, {model.count_params():,} parameters, stages: "
         f"{', '.join(name for name, _ in model.stages())}")
 
@@ -114,10 +148,6 @@ def train_and_evaluate(config, workdir: str) -> dict:
     augment = None
     if config.data.augment and splits.info.get("kind") == "image":
         augment = recipes.image_augmentation(splits.info["image_size"])
-    trainer = None
-    if config.mode == "loop":
-        trainer = Trainer(model, optimizer, model.loss, strategy, steps_per_loop=t.steps_per_loop,
-                          xla=None if t.xla else False)
     if asynchronous:  # each worker reads its own order; the weights and step are resumed
         train_data = trainer.per_worker_dataset(
             data_lib.worker_train_fn(splits.train, t.batch_size, augment))
@@ -130,8 +160,12 @@ def train_and_evaluate(config, workdir: str) -> dict:
     unit = "tok" if lm and config.data.name == "corpus" else "ex"
     summary_dir = os.path.join(workdir, "tensorboard") if info.is_chief else tempfile.mkdtemp()
     writer = tf.summary.create_file_writer(summary_dir)
+    wire = _wire_bytes(info, model, compression, trainer, train_data, asynchronous)
+    if wire:
+        say(f"wire: {wire['bytes_per_step']:,} bytes per replica per step, "
+            f"{wire['ratio']:.1f}x fewer than float32 ({config.compression})")
     progress = cb.Progress(t.steps, start, t.checkpoint_every, t.log_every, units, unit,
-                           verbose=info.is_chief)
+                           verbose=info.is_chief, wire=wire)
     callbacks = [progress, cb.Summaries(writer, progress), cb.Checkpointing(checkpoints, t.checkpoint_every, say)]
     started = time.perf_counter()
     if start < t.steps and trainer is not None:

@@ -1,15 +1,16 @@
 """Bytes on the wire, read from the traced step: every collective op, its payload, its device.
 
-Counted, not guessed: the static shape and dtype of each collective's input in the graph
-(nested functions included), per device. An all-gather's shape exchange is its own small
+Counted, not guessed: the static shape and dtype of each collective's input in the graph,
+per device, following the graph as it executes (a loop body once per step, the larger
+branch of a conditional, called functions). An all-gather's shape exchange is its own small
 collective and is counted like any other; its payload is padded to the largest replica's,
 which is the same static size on every replica here, so the padding is zero and the
 payload is counted from the tensor before the pad op.
 
 Example:
-    >>> ops = collectives(trainer.traced_step(dataset))
-    >>> bytes_per_replica(ops)        # e.g. 61_464
-    >>> dynamic(ops)                  # collectives whose size depends on the data
+    >>> step = trainer.traced_step(dataset)
+    >>> bytes_per_replica(step)                # e.g. 61_464
+    >>> dynamic(collectives(step))             # collectives whose size depends on the data
 """
 
 from __future__ import annotations
@@ -41,31 +42,77 @@ def _static_input(op) -> tf.Tensor:
 
 
 def collectives(concrete_function) -> list[Collective]:
-    """Every collective op of a traced function, nested functions included."""
+    """Every collective op of a traced function, nested functions included (each op once)."""
     found: list[Collective] = []
-
-    def visit(graph):
+    for graph in _all_graphs(concrete_function.graph).values():
         for op in graph.get_operations():
             if op.type in COLLECTIVE_TYPES:
-                tensor = _static_input(op)
-                shape = tuple(tensor.shape.as_list()) if tensor.shape.rank is not None else ()
-                size = (int(tensor.shape.num_elements()) * tensor.dtype.size
-                        if tensor.shape.is_fully_defined() else None)
-                found.append(Collective(op.type, op.name, op.device, tensor.dtype.name, shape, size))
-        for function in graph._functions.values():  # pylint: disable=protected-access
-            visit(function.graph)
-
-    visit(concrete_function.graph)
+                found.append(_describe(op))
     return found
 
 
-def bytes_per_replica(found: list[Collective]) -> int:
-    """Bytes one replica hands to collectives per traced call (the busiest device); sizes
-    that depend on the data (see `dynamic`) are not in it."""
-    by_device = collections.Counter()
-    for c in found:
-        by_device[c.device] += c.bytes or 0
-    return max(by_device.values(), default=0)
+def _describe(op) -> Collective:
+    tensor = _static_input(op)
+    shape = tuple(tensor.shape.as_list()) if tensor.shape.rank is not None else ()
+    size = (int(tensor.shape.num_elements()) * tensor.dtype.size
+            if tensor.shape.is_fully_defined() else None)
+    return Collective(op.type, op.name, op.device, tensor.dtype.name, shape, size)
+
+
+def _all_graphs(graph, found=None) -> dict:
+    """Function name -> graph, for every function reachable from `graph`."""
+    found = {} if found is None else found
+    for name, function in graph._functions.items():  # pylint: disable=protected-access
+        if name not in found and hasattr(function, "graph"):
+            found[name] = function.graph
+            _all_graphs(function.graph, found)
+    found.setdefault("__top__", graph)
+    return found
+
+
+_BRANCHING = {"If": ("then_branch", "else_branch"), "StatelessIf": ("then_branch", "else_branch"),
+              "Case": ("branches",), "StatelessCase": ("branches",)}
+_CALLING = {"While": ("body",), "StatelessWhile": ("body",), "PartitionedCall": ("f",),
+            "StatefulPartitionedCall": ("f",)}
+
+
+def executed_bytes(concrete_function) -> collections.Counter:
+    """Bytes per device that one execution hands to collectives: loop bodies once, the
+    larger branch of each conditional (only one runs), called functions included.
+    Collectives of data-dependent size count 0 here (see `dynamic`)."""
+    graphs = _all_graphs(concrete_function.graph)
+
+    def functions(op, attrs):
+        names = []
+        for attr in attrs:
+            try:
+                value = op.get_attr(attr)
+            except ValueError:
+                continue
+            for item in value if isinstance(value, list) else [value]:
+                names.append(item.name)
+        return [graphs[n] for n in names if n in graphs]
+
+    def count(graph) -> collections.Counter:
+        total = collections.Counter()
+        for op in graph.get_operations():
+            if op.type in COLLECTIVE_TYPES:
+                total[op.device] += _describe(op).bytes or 0
+            elif op.type in _BRANCHING:
+                branches = [count(g) for g in functions(op, _BRANCHING[op.type])]
+                for device in set().union(*branches):
+                    total[device] += max(b[device] for b in branches)
+            elif op.type in _CALLING:
+                for g in functions(op, _CALLING[op.type]):
+                    total.update(count(g))
+        return total
+
+    return count(concrete_function.graph)
+
+
+def bytes_per_replica(concrete_function) -> int:
+    """Bytes one replica hands to collectives per execution (the busiest device)."""
+    return max(executed_bytes(concrete_function).values(), default=0)
 
 
 def dynamic(found: list[Collective]) -> list[Collective]:

@@ -103,8 +103,8 @@ class Compression(tf.Module):
             if chosen is None or isinstance(chosen, ReduceCompressor):
                 by_dtype.setdefault(chosen.wire_dtype if chosen else tf.float32, []).append(i)
         for indices in by_dtype.values():
-            sent = [plan[i].encode(_dense(gradients[i]), replicas) if plan[i] else gradients[i]
-                    for i in indices]
+            sent = [plan[i].encode(_dense(gradients[i]), replicas) if plan[i]
+                    else densify_if_smaller(gradients[i], variables[i]) for i in indices]
             for i, summed in zip(indices, all_reduce(sent)):
                 result[i] = plan[i].decode(summed, replicas) if plan[i] else summed
 
@@ -168,6 +168,17 @@ class Compression(tf.Module):
         sent = self.payload_bytes(variables)
         return [(path, repr(c) if c else "none", 4 * int(v.shape.num_elements()), sent[path])
                 for path, v, c in zip(self.paths, variables, self.plan)]
+
+
+def densify_if_smaller(gradient, variable):
+    """A sparse (IndexedSlices) gradient with at least as many rows as its variable goes
+    dense: fewer bytes than all-gathering its rows and indices, and a size known before the
+    step runs. An embedding looked up by a whole batch of tokens is the usual case."""
+    if isinstance(gradient, tf.IndexedSlices):
+        rows = gradient.values.shape[0]
+        if rows is not None and rows >= variable.shape[0]:
+            return tf.ensure_shape(tf.convert_to_tensor(gradient), variable.shape)
+    return gradient
 
 
 def _all_gather_words(context, words: tf.Tensor) -> tf.Tensor:

@@ -37,18 +37,23 @@ def unpack_int8(words: tf.Tensor, count: int) -> tf.Tensor:
     return flat[..., :count]
 
 
-_BITS = tf.constant([1 << i for i in range(31)] + [-(1 << 31)], tf.int32)
+_BIT_VALUES = [1 << i for i in range(31)] + [-(1 << 31)]  # a tensor only when used: importing
+                                                         # tfpar must not start TensorFlow
+
+
+def _bits() -> tf.Tensor:
+    return tf.constant(_BIT_VALUES, tf.int32)
 
 
 def pack_bits(bits: tf.Tensor) -> tf.Tensor:
     """bool [n] -> int32 [ceil(n/32)], bit i of word j = bits[32 j + i]."""
     padded = tf.reshape(_pad_to(tf.cast(bits, tf.int32), 32), [-1, 32])
-    return tf.reduce_sum(padded * _BITS, axis=1)  # distinct bits: the sum is a bitwise OR
+    return tf.reduce_sum(padded * _bits(), axis=1)  # distinct bits: the sum is a bitwise OR
 
 
 def unpack_bits(words: tf.Tensor, count: int) -> tf.Tensor:
     """int32 [..., w] -> bool [..., count]."""
-    bits = tf.not_equal(tf.bitwise.bitwise_and(words[..., None], _BITS), 0)  # [..., w, 32]
+    bits = tf.not_equal(tf.bitwise.bitwise_and(words[..., None], _bits()), 0)  # [..., w, 32]
     flat = tf.reshape(bits, tf.concat([tf.shape(words)[:-1], [-1]], 0))
     return flat[..., :count]
 

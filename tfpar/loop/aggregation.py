@@ -19,6 +19,8 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from tfpar.compression.aggregation import densify_if_smaller
+
 
 class GradientAggregator(abc.ABC):
     """Base class: per-replica gradients in, summed gradients out (replica context)."""
@@ -29,13 +31,15 @@ class GradientAggregator(abc.ABC):
 
 
 class AllReduce(GradientAggregator):
-    """One batched SUM all-reduce of every gradient: what tf.distribute itself does."""
+    """One batched SUM all-reduce of every gradient: what tf.distribute itself does, except
+    that a sparse gradient with as many rows as its variable is sent dense (smaller)."""
 
     def __call__(self, gradients, variables):
         context = tf.distribute.get_replica_context()
         if context is None or context.num_replicas_in_sync == 1 and not _multi_worker(context):
             return list(gradients)
-        return context.all_reduce(tf.distribute.ReduceOp.SUM, list(gradients))
+        gradients = [densify_if_smaller(g, v) for g, v in zip(gradients, variables)]
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, gradients)
 
 
 class NoReduce(GradientAggregator):

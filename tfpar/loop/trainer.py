@@ -233,8 +233,8 @@ class Trainer:
         and the ratio to one float32 all-reduce of every gradient. Collectives whose size
         depends on the data (sparse embedding gradients) are counted in
         `dynamic_collectives`, not in the bytes."""
-        found = accounting.collectives(self.traced_step(dataset))
-        sent = accounting.bytes_per_replica(found)
+        step = self.traced_step(dataset)
+        found, sent = accounting.collectives(step), accounting.bytes_per_replica(step)
         dense = accounting.fp32_bytes(self.model.trainable_variables)
         return {"bytes_per_step": sent, "fp32_bytes_per_step": dense,
                 "ratio": dense / sent if sent else float("inf"),

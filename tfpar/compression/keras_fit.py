@@ -1,0 +1,56 @@
+"""Gradient compression for Keras `fit` users: the optimizer's own all-reduce, replaced.
+
+Keras 3's optimizer sums gradients across replicas inside `apply`, in the replica
+context, with one call (`_all_reduce_sum_gradients`). `compress_fit` puts a Compression
+in that place, so `model.fit` under the injected strategy sends every gradient once,
+through the compressor; the rest of fit (metrics, callbacks, steps_per_execution) is
+untouched. Warm-up steps need tfpar's loop (fit traces one step) and are refused here.
+
+Example:
+    >>> with strategy.scope():
+    ...     model = build_model()
+    ...     model.compile(optimizer="adam", loss=...)
+    ...     compress_fit(model, tfpar.compression.TopK(0.01))
+    >>> model.fit(dataset, epochs=3)
+"""
+
+from __future__ import annotations
+
+import keras
+
+from tfpar.compression.aggregation import Compression
+from tfpar.compression.compressors import CompressionError, Compressor
+
+
+def compress_fit(model: keras.Model, compression: Compressor | Compression) -> Compression:
+    """Makes `model.fit` aggregate gradients through `compression`; returns the Compression
+    (its `checkpoint_items()` belong in your checkpoint). Call after `compile`, under the
+    strategy's scope."""
+    if getattr(model, "optimizer", None) is None:
+        raise CompressionError("compress_fit needs a compiled model: call model.compile(...) first.")
+    compression = compression if isinstance(compression, Compression) else Compression(compression)
+    if compression.policy.warmup_steps:
+        raise CompressionError("Compression warm-up steps need tfpar.Trainer (Keras fit traces a "
+                               "single train step). Set warmup_steps=0 for fit.")
+    variables = list(model.trainable_weights)
+    compression.build(variables)
+    optimizer = model.optimizer
+    targets = [optimizer]
+    if getattr(optimizer, "inner_optimizer", None) is not None:  # LossScaleOptimizer (fp16)
+        targets.append(optimizer.inner_optimizer)
+
+    def all_reduce(grads_and_vars):
+        grads_and_vars = list(grads_and_vars)
+        if len(grads_and_vars) != len(variables):
+            raise CompressionError(
+                f"The optimizer got {len(grads_and_vars)} gradients for {len(variables)} trainable "
+                "weights: compress_fit needs every trainable weight to have a gradient.")
+        grads = compression([g for g, _ in grads_and_vars], variables)
+        return list(zip(grads, [v for _, v in grads_and_vars]))
+
+    for target in targets:
+        if not hasattr(target, "_all_reduce_sum_gradients"):
+            raise CompressionError(f"This Keras version's optimizer has no _all_reduce_sum_gradients "
+                                   f"(Keras {keras.__version__}); compress_fit cannot hook into it.")
+        target._all_reduce_sum_gradients = all_reduce  # pylint: disable=protected-access
+    return compression
