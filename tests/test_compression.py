@@ -243,3 +243,69 @@ def test_bad_options_are_refused_clearly():
         C.get("sign", rank=3)
     with pytest.raises(C.CompressionError, match="regex"):
         C.Policy(overrides={"(": "none"})
+
+
+# -- Keras fit ---------------------------------------------------------------------------------
+
+def test_keras_fit_sends_gradients_once_through_the_compressor(mlp_weights):
+    """topk(1.0) is exact: fit with it equals plain fit only if every gradient is summed once."""
+    strategy = mirrored(2)
+
+    def fit(compression=None):
+        with strategy.scope():
+            model = mlp()
+            model.set_weights(mlp_weights)
+            model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            if compression is not None:
+                C.compress_fit(model, compression)
+        model.fit(mlp_data(), epochs=1, verbose=0, shuffle=False)
+        return model.get_weights()
+
+    plain = fit()
+    exact = fit(C.Compression(C.TopK(1.0), C.Policy(min_size=0, skip=())))
+    for a, b in zip(exact, plain):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    lossy = fit(C.TopK(0.05))
+    assert max(np.abs(a - b).max() for a, b in zip(lossy, plain)) > 1e-4  # it did compress
+
+
+def test_compress_fit_refuses_what_it_cannot_do():
+    model = mlp()
+    with pytest.raises(C.CompressionError, match="compiled model"):
+        C.compress_fit(model, C.TopK(0.01))
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(C.CompressionError, match="warm-up steps need tfpar.Trainer"):
+        C.compress_fit(model, C.Compression(C.TopK(0.01), C.Policy(warmup_steps=5)))
+
+
+# -- two worker processes --------------------------------------------------------------------
+
+@pytest.mark.multiprocess
+def test_every_compressor_runs_on_two_worker_processes(tmp_path):
+    from procs import launch
+
+    result = launch(2, "compression_worker.py", str(tmp_path), timeout=400)
+    assert result.returncode == 0, result.stdout[-4000:]
+    # one device, same global batch: what `none` must reproduce
+    model, trainer = trainer_for(tf.distribute.get_strategy(), fit_model.build_model,
+                                 fit_model.initial_weights())
+    trainer.fit(fit_model.dataset(), steps=fit_model.STEPS)
+    expected = model.get_weights()
+
+    def load(name, worker):
+        saved = np.load(tmp_path / f"{name}_{worker}.npz")
+        return [saved[f"arr_{i}"] for i in range(len(saved.files))]
+
+    for name in ALL:
+        line = next(l for l in result.stdout.splitlines() if f"[worker:0] WIRE {name} " in l)
+        counted, analytic, ratio, per_call = line.split()[3:7]
+        assert int(counted) == int(analytic) > 0 and int(per_call) == 4, line  # + the loss sum
+        first, second = load(name, 0), load(name, 1)
+        for a, b in zip(first, second):
+            np.testing.assert_array_equal(a, b)  # every replica applies the same sum
+        gap = max(np.abs(a - b).max() for a, b in zip(first, expected))
+        if name == "none":
+            assert gap < 1e-5
+        else:
+            assert float(ratio) > 1.3 and gap > 1e-6, (name, ratio, gap)

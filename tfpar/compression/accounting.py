@@ -59,14 +59,17 @@ def _describe(op) -> Collective:
     return Collective(op.type, op.name, op.device, tensor.dtype.name, shape, size)
 
 
-def _all_graphs(graph, found=None) -> dict:
-    """Function name -> graph, for every function reachable from `graph`."""
-    found = {} if found is None else found
-    for name, function in graph._functions.items():  # pylint: disable=protected-access
-        if name not in found and hasattr(function, "graph"):
-            found[name] = function.graph
-            _all_graphs(function.graph, found)
-    found.setdefault("__top__", graph)
+def _all_graphs(top) -> dict:
+    """Function name -> graph for every function reachable from `top` (itself as '')."""
+    found = {"": top}
+
+    def visit(graph):
+        for name, function in graph._functions.items():  # pylint: disable=protected-access
+            if name not in found and hasattr(function, "graph"):
+                found[name] = function.graph
+                visit(function.graph)
+
+    visit(top)
     return found
 
 
@@ -76,10 +79,11 @@ _CALLING = {"While": ("body",), "StatelessWhile": ("body",), "PartitionedCall": 
             "StatefulPartitionedCall": ("f",)}
 
 
-def executed_bytes(concrete_function) -> collections.Counter:
+def executed_bytes(concrete_function, in_loops_only: bool = False) -> collections.Counter:
     """Bytes per device that one execution hands to collectives: loop bodies once, the
     larger branch of each conditional (only one runs), called functions included.
-    Collectives of data-dependent size count 0 here (see `dynamic`)."""
+    Collectives of data-dependent size count 0 here (see `dynamic`). `in_loops_only`:
+    only what runs inside while loops (a train step's body, not the once-per-call part)."""
     graphs = _all_graphs(concrete_function.graph)
 
     def functions(op, attrs):
@@ -93,26 +97,27 @@ def executed_bytes(concrete_function) -> collections.Counter:
                 names.append(item.name)
         return [graphs[n] for n in names if n in graphs]
 
-    def count(graph) -> collections.Counter:
+    def count(graph, counting: bool) -> collections.Counter:
         total = collections.Counter()
         for op in graph.get_operations():
-            if op.type in COLLECTIVE_TYPES:
+            if op.type in COLLECTIVE_TYPES and counting:
                 total[op.device] += _describe(op).bytes or 0
             elif op.type in _BRANCHING:
-                branches = [count(g) for g in functions(op, _BRANCHING[op.type])]
+                branches = [count(g, counting) for g in functions(op, _BRANCHING[op.type])]
                 for device in set().union(*branches):
                     total[device] += max(b[device] for b in branches)
             elif op.type in _CALLING:
+                inside = counting or "While" in op.type
                 for g in functions(op, _CALLING[op.type]):
-                    total.update(count(g))
+                    total.update(count(g, inside))
         return total
 
-    return count(concrete_function.graph)
+    return count(concrete_function.graph, not in_loops_only)
 
 
-def bytes_per_replica(concrete_function) -> int:
+def bytes_per_replica(concrete_function, in_loops_only: bool = False) -> int:
     """Bytes one replica hands to collectives per execution (the busiest device)."""
-    return max(executed_bytes(concrete_function).values(), default=0)
+    return max(executed_bytes(concrete_function, in_loops_only).values(), default=0)
 
 
 def dynamic(found: list[Collective]) -> list[Collective]:

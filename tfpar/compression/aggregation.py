@@ -103,7 +103,7 @@ class Compression(tf.Module):
             if chosen is None or isinstance(chosen, ReduceCompressor):
                 by_dtype.setdefault(chosen.wire_dtype if chosen else tf.float32, []).append(i)
         for indices in by_dtype.values():
-            sent = [plan[i].encode(_dense(gradients[i]), replicas) if plan[i]
+            sent = [plan[i].encode(_dense(gradients[i], variables[i]), replicas) if plan[i]
                     else densify_if_smaller(gradients[i], variables[i]) for i in indices]
             for i, summed in zip(indices, all_reduce(sent)):
                 result[i] = plan[i].decode(summed, replicas) if plan[i] else summed
@@ -111,14 +111,15 @@ class Compression(tf.Module):
         # packed payloads: one all-gather of every replica's concatenated words.
         gathered = [i for i, c in enumerate(plan) if isinstance(c, GatherCompressor)]
         if gathered:
-            words = [self._encode_with_feedback(i, plan[i], gradients[i]) for i in gathered]
+            words = [self._encode_with_feedback(i, plan[i], _dense(gradients[i], variables[i]))
+                     for i in gathered]
             sizes = [int(w.shape[0]) for w in words]
             everyone = tf.concat(words, 0)[None]
             if communicate:
                 everyone = _all_gather_words(context, everyone)  # [R, total words]
             for i, part, size in zip(gathered, tf.split(everyone, sizes, axis=1), sizes):
-                flat = plan[i].decode_sum(part, int(gradients[i].shape.num_elements()))
-                result[i] = tf.reshape(flat, gradients[i].shape)
+                flat = plan[i].decode_sum(part, int(variables[i].shape.num_elements()))
+                result[i] = tf.reshape(flat, variables[i].shape)
 
         # PowerSGD: two fused all-reduces for every matrix.
         low_rank = [i for i, c in enumerate(plan) if isinstance(c, PowerSGD)]
@@ -127,19 +128,19 @@ class Compression(tf.Module):
             matrices, residuals, qs = [], [], []
             for i in low_rank:
                 slots = self.state[_state_name(i, self.paths[i])]
-                n, m = psgd.matrix_shape(gradients[i].shape)
-                matrices.append(tf.reshape(_dense(gradients[i]), [n, m])
+                n, m = psgd.matrix_shape(variables[i].shape)
+                matrices.append(tf.reshape(_dense(gradients[i], variables[i]), [n, m])
                                 + tf.reshape(slots["residual"], [n, m]))
                 residuals.append(slots["residual"])
                 qs.append(slots["q"])
             approx = psgd.aggregate(matrices, qs, all_reduce)
             for i, matrix, residual, total in zip(low_rank, matrices, residuals, approx):
                 residual.assign(tf.reshape(matrix - total / replicas, residual.shape))
-                result[i] = tf.reshape(total, gradients[i].shape)
+                result[i] = tf.reshape(total, variables[i].shape)
         return result
 
     def _encode_with_feedback(self, index: int, compressor: GatherCompressor, gradient) -> tf.Tensor:
-        flat = tf.reshape(_dense(gradient), [-1])
+        flat = tf.reshape(gradient, [-1])
         if not compressor.error_feedback:
             return compressor.encode(flat)
         residual = self.state[_state_name(index, self.paths[index])]["residual"]
@@ -176,9 +177,9 @@ def densify_if_smaller(gradient, variable):
     step runs. An embedding looked up by a whole batch of tokens is the usual case."""
     if isinstance(gradient, tf.IndexedSlices):
         rows = gradient.values.shape[0]
-        if rows is not None and rows >= variable.shape[0]:
-            return tf.ensure_shape(tf.convert_to_tensor(gradient), variable.shape)
-    return gradient
+        if rows is None or rows < variable.shape[0]:
+            return gradient
+    return tf.ensure_shape(tf.convert_to_tensor(gradient), variable.shape)  # a static size
 
 
 def _all_gather_words(context, words: tf.Tensor) -> tf.Tensor:
@@ -190,8 +191,9 @@ def _all_gather_words(context, words: tf.Tensor) -> tf.Tensor:
     return tf.bitcast(gathered, tf.int32)
 
 
-def _dense(gradient) -> tf.Tensor:
-    return tf.cast(tf.convert_to_tensor(gradient), tf.float32)
+def _dense(gradient, variable) -> tf.Tensor:
+    """float32, dense, with the variable's static shape (a sparse gradient has none)."""
+    return tf.ensure_shape(tf.cast(tf.convert_to_tensor(gradient), tf.float32), variable.shape)
 
 
 def _per_replica(initial: tf.Tensor, name: str) -> tf.Variable:

@@ -130,9 +130,14 @@ class Trainer:
             optimizer.build(model.trainable_variables)  # before any traced step
             if hasattr(self.aggregator, "build"):
                 self.aggregator.build(model.trainable_variables)
+            self._loss_sum = None if self._async else tf.Variable(
+                0.0, trainable=False, name="loss_sum",
+                synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=tf.VariableAggregation.SUM)
         self.step = 0  # the next optimizer step; fit sets it from start_step
-        self._compute = tf.function(self._stateless_forward_backward, jit_compile=self.xla,
-                                    reduce_retracing=True)
+        # Exact shapes (no reduce_retracing): a static batch keeps every gradient's size
+        # static, which XLA wants and which lets the wire bytes be counted before running.
+        self._compute = tf.function(self._stateless_forward_backward, jit_compile=self.xla)
         self._train_loop = tf.function(self._train_loop_fn, reduce_retracing=True)
 
     # -- one replica ------------------------------------------------------------------
@@ -188,17 +193,27 @@ class Trainer:
             limit = self.clip_norm * (tf.cast(scale, tf.float32) if scale is not None else 1.0)
             summed, _ = tf.clip_by_global_norm(summed, limit)
         self.optimizer.apply(summed, variables)
+        if self._loss_sum is not None:
+            self._loss_sum.assign_add(total)
         return total
 
     def _train_loop_fn(self, iterator, steps, phase=None):
         if hasattr(self.aggregator, "set_phase"):  # e.g. compression warm-up: its own trace
             self.aggregator.set_phase(phase)
-        total = tf.constant(0.0)
+        if self._async:  # one replica per worker: the reduce is local
+            total = tf.constant(0.0)
+            for _ in tf.range(steps):
+                batches = [next(iterator) for _ in range(self.accumulate)]
+                per_replica = self.strategy.run(self._replica_step, args=(batches,))
+                total += self.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+            return total / tf.cast(steps, tf.float32)
+        # Each replica adds its loss to its own copy; one cross-replica sum per call, so a
+        # step's only collectives are the gradients' (see wire_bytes).
+        self.strategy.run(lambda: self._loss_sum.assign(0.0))  # each replica its own: no collective
         for _ in tf.range(steps):
             batches = [next(iterator) for _ in range(self.accumulate)]
-            per_replica = self.strategy.run(self._replica_step, args=(batches,))
-            total += self.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
-        return total / tf.cast(steps, tf.float32)
+            self.strategy.run(self._replica_step, args=(batches,))
+        return self._loss_sum.read_value() / tf.cast(steps, tf.float32)
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -232,12 +247,15 @@ class Trainer:
         """Bytes one replica hands to collectives per step, counted from the traced graph,
         and the ratio to one float32 all-reduce of every gradient. Collectives whose size
         depends on the data (sparse embedding gradients) are counted in
-        `dynamic_collectives`, not in the bytes."""
+        `dynamic_collectives`, not in the bytes. `bytes_per_call`: what each call of
+        `steps_per_loop` steps adds once (the cross-replica sum of the loss)."""
         step = self.traced_step(dataset)
-        found, sent = accounting.collectives(step), accounting.bytes_per_replica(step)
+        found = accounting.collectives(step)
+        sent = accounting.bytes_per_replica(step, in_loops_only=True)
         dense = accounting.fp32_bytes(self.model.trainable_variables)
         return {"bytes_per_step": sent, "fp32_bytes_per_step": dense,
                 "ratio": dense / sent if sent else float("inf"),
+                "bytes_per_call": accounting.bytes_per_replica(step) - sent,  # the loss sum
                 "dynamic_collectives": len(accounting.dynamic(found))}
 
     def _chunks(self, start: int, end: int) -> list[int]:
