@@ -185,6 +185,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
     results = evaluate(model, eval_strategy, eval_data, eval_steps, xla=t.xla and not asynchronous)
     results.update(step=t.steps, train_seconds=train_seconds,
                    throughput=progress.last.get(f"{unit}_per_s"), throughput_unit=f"{unit}/s")
+    if wire:
+        results.update(compression=config.compression, wire_bytes_per_step=wire["bytes_per_step"],
+                       compression_ratio=wire["ratio"])
     if lm and config.data.name == "corpus":
         results["unigram_baseline"] = data_lib.unigram_entropy(splits.validation)
     with writer.as_default(step=t.steps):
