@@ -388,20 +388,20 @@ def goals(rows: list[dict]) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    def f(value, fmt):
-        return "-" if value is None else format(value, fmt)
+    def cell(value, fmt, unit, width):
+        return ("-" if value is None else format(value, fmt) + unit).rjust(width)
 
-    header = (f"{'config':<16} {'bytes/step':>10} {'ratio':>6} {'step lo':>8} {'step 100M':>9} "
+    header = (f"{'config':<16} {'bytes/step':>10} {'ratio':>6} {'step lo':>8} {'step link':>9} "
               f"{'speedup':>7} {'val loss':>8} {'gap':>7} {'val lo':>7}")
     print(header)
     print("-" * len(header))
     for r in rows:
+        lo, link, gap = r["step_s_loopback"], r["step_s_shaped"], r.get("gap_vs_none")
         print(f"{r['config']:<16} {r['bytes_per_step']:>10,} {r['ratio']:>5.1f}x "
-              f"{f(r['step_s_loopback'] and 1000 * r['step_s_loopback'], '>6.0f')}ms "
-              f"{f(r['step_s_shaped'] and 1000 * r['step_s_shaped'], '>7.0f')}ms "
-              f"{f(r.get('speedup_shaped'), '>6.2f')}x {r['final_val_loss']:>8.4f} "
-              f"{f(r.get('gap_vs_none') is not None and 100 * r['gap_vs_none'], '>+6.2f')}% "
-              f"{f(r['final_val_loss_loopback'], '>7.4f')}")
+              f"{cell(lo and 1000 * lo, '.0f', 'ms', 8)} {cell(link and 1000 * link, '.0f', 'ms', 9)} "
+              f"{cell(r.get('speedup_shaped'), '.2f', 'x', 7)} {r['final_val_loss']:>8.4f} "
+              f"{cell(None if gap is None else 100 * gap + 0.0, '+.2f', '%', 7)} "
+              f"{cell(r['final_val_loss_loopback'], '.4f', '', 7)}")
 
 
 def plot(results: dict, rows: list[dict], path: str, rate: str) -> None:

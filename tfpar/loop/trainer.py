@@ -85,6 +85,8 @@ class Trainer:
       aggregator: the gradient-aggregation seam (default: one batched all-reduce).
       compression: a tfpar.compression compressor (e.g. TopK(0.01)) or a Compression
         (compressor + policy); shorthand for the aggregator that compresses.
+      placement: a tfpar.placement.Pipeline: the model's stage groups run on their
+        devices, micro-batch by micro-batch (XLA is then off: the pipeline spans devices).
       xla: jit-compile forward + backward (default on). The compiled function is pure:
         it takes the variables' values as tensors (Keras `stateless_call`), which is what
         lets XLA run under MirroredStrategy too (a compiled function that captures mirrored
@@ -95,7 +97,8 @@ class Trainer:
                  loss: keras.losses.Loss, strategy: tf.distribute.Strategy | None = None, *,
                  steps_per_loop: int = 1, accumulate: int = 1,
                  aggregator: GradientAggregator | None = None,
-                 compression: Compressor | Compression | None = None, xla: bool | None = None):
+                 compression: Compressor | Compression | None = None, placement=None,
+                 xla: bool | None = None):
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.strategy = strategy or tf.distribute.get_strategy()
         if steps_per_loop < 1 or accumulate < 1:
@@ -116,7 +119,14 @@ class Trainer:
             parameter_server.allow_sharded_updates(optimizer)
             self._async = parameter_server.AsyncSteps(self.strategy)
         self.aggregator = aggregator or AllReduce()
-        self.xla = True if xla is None else bool(xla)
+        self.placement = placement
+        if placement is not None and (self._async or self.strategy.num_replicas_in_sync > 1):
+            raise TrainerError("Layer placement runs on one replica here (hybrid data x pipeline "
+                               "parallelism is not built yet): use the default strategy.")
+        if placement is not None and model.non_trainable_variables:
+            raise TrainerError("Layer placement needs a model without non-trainable state "
+                               "(e.g. no BatchNormalization).")
+        self.xla = (True if xla is None else bool(xla)) and placement is None
         # The Trainer clips the *summed* gradients itself, in the replica context; Keras's
         # own clipping would run on per-replica values in the cross-replica context.
         clipping = getattr(optimizer, "inner_optimizer", optimizer)
@@ -165,8 +175,25 @@ class Trainer:
             scaled = loss * loss_scale  # fp16: times the dynamic loss scale
         return loss, tape.gradient(scaled, trainable), non_trainable
 
+    def _pipeline_forward_backward(self, x, y, w):
+        """Layer placement: the pipeline runs each stage group on its device."""
+        count = tf.cast(tf.size(y) * self.strategy.num_replicas_in_sync * self.accumulate, tf.float32)
+        scale = getattr(self.optimizer, "dynamic_scale", None)
+        scale = tf.constant(1.0) if scale is None else tf.cast(scale.value, tf.float32)
+
+        def share(y_part, logits, w_part):
+            values = self.loss.call(y_part, logits)
+            if w_part is not None:
+                values = values * tf.cast(tf.reshape(w_part, tf.shape(values)), values.dtype)
+            return tf.reduce_sum(tf.cast(values, tf.float32)) / count * scale
+
+        loss, grads = self.placement.forward_backward(x, y, w, share)
+        return loss / scale, grads
+
     def _forward_backward(self, x, y, w):
         """Replica context: reads this replica's variable values, runs the compiled compute."""
+        if self.placement is not None:
+            return self._pipeline_forward_backward(x, y, w)
         scale = getattr(self.optimizer, "dynamic_scale", None)
         scale = tf.constant(1.0) if scale is None else tf.cast(scale.value, tf.float32)
         loss, grads, non_trainable = self._compute(

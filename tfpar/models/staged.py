@@ -11,10 +11,15 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from typing import NamedTuple
+from typing import Mapping, NamedTuple
 
 import keras
+import tensorflow as tf
+
+_STAGE_DEVICES: contextvars.ContextVar = contextvars.ContextVar("stage_devices", default=None)
 
 
 class Stage(NamedTuple):
@@ -54,11 +59,30 @@ class StagedModel(keras.Model):
             groups.setdefault(key, []).append(stage)
         return list(groups.values())
 
+    @staticmethod
+    @contextlib.contextmanager
+    def placed(devices: Mapping[str, str]):
+        """Models built inside create each stage's variables on `devices[stage name]`.
+
+        Example:
+            >>> with StagedModel.placed({"embed": "/cpu:0", ..., "head": "/cpu:1"}):
+            ...     model = GPT.from_preset("tiny")
+        """
+        token = _STAGE_DEVICES.set(dict(devices))
+        try:
+            yield
+        finally:
+            _STAGE_DEVICES.reset(token)
+
     def build(self, input_shape):
-        """Builds each stage on the output shape of the one before."""
+        """Builds each stage on the output shape of the one before (on its device, when
+        built inside `StagedModel.placed`)."""
         shape = tuple(input_shape)
+        devices = _STAGE_DEVICES.get() or {}
         for stage in self._stage_list:
-            stage.layer.build(shape)
+            device = devices.get(stage.name)
+            with tf.device(device) if device else contextlib.nullcontext():
+                stage.layer.build(shape)
             shape = tuple(stage.layer.compute_output_shape(shape))
         self.built = True
 

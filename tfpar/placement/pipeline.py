@@ -1,0 +1,170 @@
+"""Pipeline parallelism: a StagedModel cut by a StagePlan, run micro-batch by micro-batch.
+
+Each stage group runs on its device: its forward under `tf.device`, its backward with its
+own tape (`tape.gradient(..., output_gradients=dh)` under the same device scope: with one
+tape for the whole model TensorFlow would put later stages' backward ops on device 0).
+Activations go forward and their gradients back between devices. The batch is split into
+M micro-batches; gradients are summed over them, so loss and gradients equal the unsplit
+model's. The order of the work per stage is forced with control dependencies:
+
+- `naive`: one micro-batch, stage after stage;
+- `gpipe`: every forward of every micro-batch, then every backward (fill, then drain);
+- `1f1b`: after S - s warm-up forwards, stage s alternates one backward and one forward, so
+  at most S micro-batches are in flight (less activation memory than GPipe).
+
+With `record=True` every unit of work (stage, micro-batch, forward/backward) is timed with
+`tf.timestamp()` before and after it, inside the graph: see tfpar.placement.timeline.
+
+Example:
+    >>> pipe = Pipeline(model, plan, micro_batches=8, schedule="1f1b")
+    >>> loss, grads = pipe.forward_backward(x, y, w, loss_fn)
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import tensorflow as tf
+
+from tfpar.placement.plan import PlacementError, StagePlan
+
+SCHEDULES = ("naive", "gpipe", "1f1b")
+
+
+def schedule_order(schedule: str, stages: int, micro_batches: int) -> list[list[tuple[str, int]]]:
+    """Per stage, the order of its work units: ("F", m) and ("B", m)."""
+    m_all = range(micro_batches)
+    if schedule in ("naive", "gpipe"):
+        return [[("F", m) for m in m_all] + [("B", m) for m in reversed(m_all)]
+                for _ in range(stages)]
+    if schedule == "1f1b":
+        orders = []
+        for s in range(stages):
+            warm = min(stages - s, micro_batches)
+            order = [("F", m) for m in range(warm)]
+            forward, backward = warm, 0
+            while backward < micro_batches:
+                order.append(("B", backward))
+                backward += 1
+                if forward < micro_batches:
+                    order.append(("F", forward))
+                    forward += 1
+            orders.append(order)
+        return orders
+    raise PlacementError(f"Unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}.")
+
+
+class Pipeline:
+    """Runs a StagedModel's stage groups on their devices (see module docstring)."""
+
+    def __init__(self, model, plan: StagePlan, micro_batches: int = 1, schedule: str = "gpipe",
+                 remat: bool = False, record: bool = False):
+        if schedule not in SCHEDULES:
+            raise PlacementError(f"Unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}.")
+        if micro_batches < 1 or (schedule == "naive" and micro_batches != 1):
+            raise PlacementError("micro_batches must be >= 1 (and 1 for the naive schedule).")
+        self.model, self.plan, self.micro_batches = model, plan, micro_batches
+        self.schedule, self.remat, self.record = schedule, remat, record
+        layers = dict(model.stages())
+        self.groups = [[layers[n] for n in g.names] for g in plan.groups]
+        self.devices = plan.devices
+        self.order = schedule_order(schedule, len(self.groups), micro_batches)
+        self.timings = None  # [units, 4]: stage, micro-batch, 0 fwd / 1 bwd, start, end
+
+    def group_variables(self, s: int) -> list:
+        return [v for layer in self.groups[s] for v in layer.trainable_variables]
+
+    def _apply(self, s: int, h, training=True):
+        def run(h):
+            for layer in self.groups[s]:
+                h = layer(h, training=training)
+            return h
+        return tf.recompute_grad(run)(h) if self.remat else run(h)
+
+    def forward_backward(self, x, y, w, loss_fn: Callable):
+        """Loss and gradients (aligned with model.trainable_variables) of the whole batch.
+
+        `loss_fn(y, logits, w)` returns the micro-batch's share of the batch loss (a sum
+        over its examples divided by the whole batch's denominator), so shares add up.
+        """
+        m_count, s_count = self.micro_batches, len(self.groups)
+        xs = tf.split(x, m_count)
+        ys = tf.split(y, m_count)
+        ws = tf.split(w, m_count) if w is not None else [None] * m_count
+        tapes, inputs, outputs, grads_in = {}, {}, {}, {}
+        losses = [None] * m_count
+        var_grads = [[None] * len(self.group_variables(s)) for s in range(s_count)]
+        last_unit = [None] * s_count  # control dependency chain per stage
+        stamps = []
+
+        def after(s, tensors):
+            deps = [t for t in tensors if t is not None]
+            if last_unit[s] is not None:
+                deps.append(last_unit[s])
+            return deps
+
+        pending = {s: list(order) for s, order in enumerate(self.order)}
+        # Walk the units in an order that respects data dependencies; control deps then
+        # fix each stage's own order.
+        while any(pending.values()):
+            progressed = False
+            for s in range(s_count):
+                if not pending[s]:
+                    continue
+                kind, m = pending[s][0]
+                ready = (kind == "F" and (s == 0 or (s - 1, m) in outputs)) or \
+                        (kind == "B" and (s, m) in outputs and (s == s_count - 1 or (s + 1, m) in grads_in))
+                if not ready:
+                    continue
+                pending[s].pop(0)
+                progressed = True
+                with tf.device(self.devices[s]):
+                    if kind == "F":
+                        h_in = xs[m] if s == 0 else tf.identity(outputs[(s - 1, m)])
+                        with tf.control_dependencies(after(s, [h_in])):
+                            start = tf.timestamp()
+                            h_in = tf.identity(h_in)
+                        tape = tf.GradientTape()
+                        with tape:
+                            if s > 0:
+                                tape.watch(h_in)
+                            out = self._apply(s, h_in)
+                            if s == s_count - 1:
+                                out = loss_fn(ys[m], out, ws[m])
+                                losses[m] = out
+                        tapes[(s, m)], inputs[(s, m)], outputs[(s, m)] = tape, h_in, out
+                        with tf.control_dependencies([out]):
+                            end = tf.timestamp()
+                        last_unit[s] = end
+                        stamps.append((s, m, 0, start, end))
+                    else:
+                        upstream = None if s == s_count - 1 else tf.identity(grads_in[(s + 1, m)])
+                        with tf.control_dependencies(after(s, [upstream])):
+                            start = tf.timestamp()
+                        variables = self.group_variables(s)
+                        sources = variables + ([inputs[(s, m)]] if s > 0 else [])
+                        with tf.control_dependencies([start]):
+                            result = tapes.pop((s, m)).gradient(
+                                outputs[(s, m)], sources, output_gradients=upstream)
+                        for i, g in enumerate(result[:len(variables)]):
+                            g = tf.convert_to_tensor(g) if g is not None else None
+                            var_grads[s][i] = g if var_grads[s][i] is None else var_grads[s][i] + g
+                        if s > 0:
+                            grads_in[(s, m)] = result[-1]
+                        done = [g for g in result if g is not None]
+                        with tf.control_dependencies(done):
+                            end = tf.timestamp()
+                        last_unit[s] = end
+                        stamps.append((s, m, 1, start, end))
+            if not progressed:
+                raise PlacementError(f"Schedule {self.schedule} deadlocked (a bug in its order).")
+        if self.record:
+            self.timings = tf.stack([tf.stack([tf.constant(s, tf.float64), tf.constant(m, tf.float64),
+                                               tf.constant(k, tf.float64), a, b])
+                                     for s, m, k, a, b in stamps])
+        loss = tf.add_n(losses)
+        grads_by_var = {}
+        for s in range(s_count):
+            for v, g in zip(self.group_variables(s), var_grads[s]):
+                grads_by_var[id(v)] = g
+        return loss, [grads_by_var.get(id(v)) for v in self.model.trainable_variables]
