@@ -40,7 +40,13 @@ __all__ = [
 ]
 
 
+_SUBPACKAGES = ("compression", "data", "evaluate", "launch", "loop", "models", "placement",
+                "recipes", "strategy")
+
+
 def __getattr__(name):
+    if name in _SUBPACKAGES:  # `tfpar.data.load(...)` after a plain `import tfpar`
+        return importlib.import_module(f"tfpar.{name}")
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
@@ -49,4 +55,4 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBPACKAGES))

@@ -37,6 +37,25 @@ def _batch_sums(model, x, y, w):
     ])
 
 
+_STEPS: dict = {}  # (model, strategy, jit) -> traced eval step: evaluating again does not retrace
+
+
+def _eval_step(model, strategy, jit: bool):
+    key = (id(model), id(strategy), jit)
+    if key not in _STEPS:
+        sums = tf.function(lambda batch: _batch_sums(model, *batch), jit_compile=jit)
+
+        @tf.function
+        def step(iterator):
+            per_replica = strategy.run(sums, args=(next(iterator),))
+            return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+        if len(_STEPS) > 16:
+            _STEPS.clear()
+        _STEPS[key] = (model, strategy, step)  # holding both keeps their ids from being reused
+    return _STEPS[key][2]
+
+
 def evaluate(model, strategy: tf.distribute.Strategy, dataset, steps: int, xla: bool = False) -> dict:
     """Runs `steps` global batches of `dataset` (x, y, weight); returns exact metrics.
 
@@ -44,14 +63,7 @@ def evaluate(model, strategy: tf.distribute.Strategy, dataset, steps: int, xla: 
     off: a jit-compiled replica function reads mirrored variables from the wrong device
     ("Trying to access resource ... located in device CPU:1 from device CPU:0").
     """
-    jit = xla and strategy.num_replicas_in_sync == 1
-    sums = tf.function(lambda batch: _batch_sums(model, *batch), jit_compile=jit)
-
-    @tf.function
-    def step(iterator):
-        per_replica = strategy.run(sums, args=(next(iterator),))
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
-
+    step = _eval_step(model, strategy, xla and strategy.num_replicas_in_sync == 1)
     iterator = iter(dataset)
     totals = tf.zeros([5], tf.float64)
     for _ in range(steps):

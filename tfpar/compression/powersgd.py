@@ -1,6 +1,7 @@
 """PowerSGD (Vogels et al., 2019): rank-r gradient compression with two all-reduces.
 
-For each gradient matrix M (a tensor reshaped to [shape[0], rest]) with error feedback,
+For each gradient matrix M (a tensor reshaped to its most square 2-D view, e.g. an attention
+output kernel [heads, head_dim, dim] to [heads * head_dim, dim]) with error feedback,
 every replica computes P = M Q and all-reduces it, orthonormalises the sum to P^, then
 computes Q' = M^T P^ and all-reduces that; P^ Q'^T is the rank-r approximation of the sum
 of the replicas' matrices. Q' is kept for the next step (warm start), and so is each
@@ -9,7 +10,7 @@ phase. Exact whenever the summed matrix has rank <= r.
 
 Example:
     >>> psgd = PowerSGD(rank=4)
-    >>> psgd.matrix_shape([128, 4, 32])      # (128, 128)
+    >>> psgd.matrix_shape([4, 32, 128])      # (128, 128): not (4, 4096)
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from tfpar.compression.compressors import CompressionError, Compressor
 
 
 class PowerSGD(Compressor):
-    """On the wire: P [n, r] and Q [m, r] float32 per n x m matrix, two all-reduces;
+    """On the wire: P [n, r] and Q [m, r] float32 per n x m matrix (the tensor's most square
+    2-D view), two all-reduces;
     what the low-rank sum misses stays behind as error feedback."""
 
     name = "powersgd"
@@ -36,8 +38,11 @@ class PowerSGD(Compressor):
 
     @staticmethod
     def matrix_shape(shape) -> tuple[int, int]:
-        shape = list(shape)
-        return shape[0], int(math.prod(shape[1:]))
+        """[n, m] with n = prod(shape[:k]), m = prod(shape[k:]) for the k making n + m
+        smallest: the fewest floats for P and Q at any rank."""
+        shape = [int(d) for d in shape]
+        splits = [(math.prod(shape[:k]), math.prod(shape[k:])) for k in range(1, len(shape))]
+        return min(splits, key=sum)
 
     def applies_to(self, shape):
         if len(shape) < 2:
