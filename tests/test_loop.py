@@ -162,6 +162,23 @@ def test_loss_scaling_changes_nothing_but_the_scale(fit_reference):
     assert_same(model.get_weights(), trained)
 
 
+def test_trainer_evaluate_is_exact_on_any_replica_count(fit_reference):
+    """Same weights: 1 and 2 replicas report the same loss and accuracy over the same examples."""
+    from tfpar import data as data_lib
+
+    x, y = fit_model.data(steps=2)  # 32 examples; 3 per batch of 10 leaves zero-weight padding
+    source = data_lib.Source("fixed", lambda shard=None, training=False: tf.data.Dataset.from_tensor_slices((x, y)),
+                             num_files=0, num_examples=len(x))
+    results = []
+    for strategy in (tf.distribute.get_strategy(), mirrored(2)):
+        _, trainer = make_trainer(strategy, fit_reference[1])
+        dataset, steps = data_lib.distribute_eval(strategy, source, 10)
+        results.append(trainer.evaluate(dataset, steps))
+    assert results[0]["examples"] == results[1]["examples"] == 32
+    for key in ("loss", "accuracy"):
+        assert results[0][key] == pytest.approx(results[1][key], rel=1e-5)
+
+
 def test_bad_options_are_refused(fit_reference):
     with pytest.raises(tfpar.TfparError, match="must be >= 1"):
         make_trainer(mirrored(2), fit_reference[0], accumulate=0)

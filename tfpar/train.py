@@ -182,7 +182,10 @@ def train_and_evaluate(config, workdir: str) -> dict:
     eval_strategy = tf.distribute.get_strategy() if asynchronous else strategy
     eval_data, eval_steps = data_lib.distribute_eval(eval_strategy, splits.validation,
                                                      t.eval_batch_size, limit=t.eval_examples)
-    results = evaluate(model, eval_strategy, eval_data, eval_steps, xla=t.xla and not asynchronous)
+    if trainer is not None:
+        results = trainer.evaluate(eval_data, eval_steps)
+    else:
+        results = evaluate(model, eval_strategy, eval_data, eval_steps, xla=t.xla)
     results.update(step=t.steps, train_seconds=train_seconds,
                    throughput=progress.last.get(f"{unit}_per_s"), throughput_unit=f"{unit}/s")
     if wire:

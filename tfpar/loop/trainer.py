@@ -14,6 +14,7 @@ applies its own gradients to the variables on the parameter servers.
 Example:
     >>> trainer = Trainer(model, optimizer, loss, strategy=strategy, steps_per_loop=10)
     >>> trainer.fit(distributed_dataset, steps=600, callbacks=[...])
+    >>> trainer.evaluate(validation, steps=10)     # {'loss': ..., 'accuracy': ..., ...}
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Sequence
 import keras
 import tensorflow as tf
 
+from tfpar import evaluate as evaluate_lib
 from tfpar.compression import accounting
 from tfpar.compression.aggregation import Compression
 from tfpar.compression.compressors import Compressor
@@ -149,6 +151,8 @@ class Trainer:
         # static, which XLA wants and which lets the wire bytes be counted before running.
         self._compute = tf.function(self._stateless_forward_backward, jit_compile=self.xla)
         self._train_loop = tf.function(self._train_loop_fn, reduce_retracing=True)
+        # The coordinator binds only tensor arguments: its function has no phase argument.
+        self._scheduled_loop = tf.function(lambda iterator, steps: self._train_loop_fn(iterator, steps))
 
     # -- one replica ------------------------------------------------------------------
 
@@ -254,7 +258,7 @@ class Trainer:
         """Runs `steps` optimizer steps from `iterator` from `self.step`; returns their mean loss."""
         if self._async:
             loss = float(self._async.coordinator.schedule(
-                self._train_loop, args=(iterator, tf.constant(steps))).fetch())
+                self._scheduled_loop, args=(iterator, tf.constant(steps))).fetch())
         else:
             loss = float(self._train_loop(iterator, tf.constant(steps), self._phase(self.step)))
         self.step += steps
@@ -304,7 +308,7 @@ class Trainer:
 
     def _run_chunks(self, iterator, sizes: list[int], on_chunk) -> None:
         if self._async:  # scheduled on the workers; results reported in order
-            self._async.run(self._train_loop, iterator, sizes, on_chunk)
+            self._async.run(self._scheduled_loop, iterator, sizes, on_chunk)
         else:
             for n in sizes:
                 on_chunk(n, self.train_steps(iterator, n))
@@ -342,6 +346,15 @@ class Trainer:
             callback_list.on_epoch_end(epoch, logs)
         callback_list.on_train_end(logs)
         return logs
+
+    def evaluate(self, dataset, steps: int) -> dict:
+        """Exact loss (cross-entropy), perplexity, accuracy and exact-match over `steps` batches
+        of (x, y, weight), reduced over all replicas (see tfpar.evaluate). Under
+        parameter_server the chief evaluates on its own: `dataset` is then a plain one (or
+        one distributed by the default strategy), the variables are read from the ps."""
+        strategy = tf.distribute.get_strategy() if self._async else self.strategy
+        local = not self._async and strategy.num_replicas_in_sync == 1  # XLA: variables here
+        return evaluate_lib.evaluate(self.model, strategy, dataset, steps, xla=self.xla and local)
 
     def collective_ops(self, dataset) -> list[tuple[str, str]]:
         """(type, name) of every collective op in one traced train step, nested functions
