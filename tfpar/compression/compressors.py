@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import abc
 import math
 
 import tensorflow as tf
@@ -30,7 +31,7 @@ class CompressionError(TfparError, ValueError):
     """A compression option that cannot work with this model or strategy."""
 
 
-class Compressor:
+class Compressor(abc.ABC):
     """Base class. `name` is what configs and the progress line call it."""
 
     name = "base"
@@ -40,9 +41,9 @@ class Compressor:
         """Whether this compressor can take a tensor of `shape` (else it goes dense)."""
         return True
 
+    @abc.abstractmethod
     def payload_bytes(self, size: int, shape: tf.TensorShape | None = None) -> int:
         """Bytes this replica hands to collectives for a tensor of `size` elements."""
-        raise NotImplementedError
 
     def __repr__(self) -> str:
         return self.name
@@ -93,16 +94,17 @@ class BF16(ReduceCompressor):
 class GatherCompressor(Compressor):
     """An int32 payload per replica, all-gathered; every replica decodes and sums them."""
 
+    @abc.abstractmethod
     def encode(self, x: tf.Tensor) -> tf.Tensor:
         """float32 [n] -> int32 [payload_words(n)]."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def decode_sum(self, words: tf.Tensor, size: int) -> tf.Tensor:
         """int32 [R, payload_words(size)] -> float32 [size], the sum of the R contributions."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def payload_words(self, size: int) -> int:
-        raise NotImplementedError
+        """int32 words in one replica's payload for a tensor of `size` elements."""
 
     def payload_bytes(self, size, shape=None):
         return 4 * self.payload_words(size)

@@ -156,14 +156,25 @@ class Trainer:
 
     # -- one replica ------------------------------------------------------------------
 
-    def _replica_loss(self, y_pred, y, w, regularization):
+    def _loss_values(self, y, y_pred, w) -> tf.Tensor:
+        """This (micro-)batch's per-target losses, weighted, in float32."""
         values = self.loss.call(y, y_pred)
         if w is not None:
             values = values * tf.cast(tf.reshape(w, tf.shape(values)), values.dtype)
-        values = tf.cast(values, tf.float32)
-        denominator = tf.cast(tf.size(values) * self.strategy.num_replicas_in_sync * self.accumulate,
-                              tf.float32)
-        loss = tf.reduce_sum(values) / denominator
+        return tf.cast(values, tf.float32)
+
+    def _global_denominator(self, local_count) -> tf.Tensor:
+        """Loss terms in the global batch of one step (Keras averages over all of them)."""
+        return tf.cast(local_count * self.strategy.num_replicas_in_sync * self.accumulate, tf.float32)
+
+    def _loss_scale(self) -> tf.Tensor:
+        """fp16: the dynamic loss scale (1.0 otherwise)."""
+        scale = getattr(self.optimizer, "dynamic_scale", None)
+        return tf.constant(1.0) if scale is None else tf.cast(scale.value, tf.float32)
+
+    def _replica_loss(self, y_pred, y, w, regularization):
+        values = self._loss_values(y, y_pred, w)
+        loss = tf.reduce_sum(values) / self._global_denominator(tf.size(values))
         if regularization:
             loss += tf.add_n([tf.cast(l, tf.float32) for l in regularization]) / (
                 self.strategy.num_replicas_in_sync * self.accumulate)
@@ -181,15 +192,10 @@ class Trainer:
 
     def _pipeline_forward_backward(self, x, y, w):
         """Layer placement: the pipeline runs each stage group on its device."""
-        count = tf.cast(tf.size(y) * self.strategy.num_replicas_in_sync * self.accumulate, tf.float32)
-        scale = getattr(self.optimizer, "dynamic_scale", None)
-        scale = tf.constant(1.0) if scale is None else tf.cast(scale.value, tf.float32)
+        count, scale = self._global_denominator(tf.size(y)), self._loss_scale()
 
         def share(y_part, logits, w_part):
-            values = self.loss.call(y_part, logits)
-            if w_part is not None:
-                values = values * tf.cast(tf.reshape(w_part, tf.shape(values)), values.dtype)
-            return tf.reduce_sum(tf.cast(values, tf.float32)) / count * scale
+            return tf.reduce_sum(self._loss_values(y_part, logits, w_part)) / count * scale
 
         loss, grads = self.placement.forward_backward(x, y, w, share)
         return loss / scale, grads
@@ -198,12 +204,10 @@ class Trainer:
         """Replica context: reads this replica's variable values, runs the compiled compute."""
         if self.placement is not None:
             return self._pipeline_forward_backward(x, y, w)
-        scale = getattr(self.optimizer, "dynamic_scale", None)
-        scale = tf.constant(1.0) if scale is None else tf.cast(scale.value, tf.float32)
         loss, grads, non_trainable = self._compute(
             [tf.convert_to_tensor(v.value) for v in self.model.trainable_variables],
             [tf.convert_to_tensor(v.value) for v in self.model.non_trainable_variables],
-            scale, x, y, w)
+            self._loss_scale(), x, y, w)
         for variable, value in zip(self.model.non_trainable_variables, non_trainable):
             variable.assign(value)
         return loss, grads
@@ -220,8 +224,7 @@ class Trainer:
         summed = self.aggregator(summed, variables)
         if self.clip_norm:
             # fp16: the gradients are still scaled by the loss scale; so is the limit.
-            scale = getattr(self.optimizer, "dynamic_scale", None)
-            limit = self.clip_norm * (tf.cast(scale, tf.float32) if scale is not None else 1.0)
+            limit = self.clip_norm * self._loss_scale()
             summed, _ = tf.clip_by_global_norm(summed, limit)
         self.optimizer.apply(summed, variables)
         if self._loss_sum is not None:
