@@ -5,8 +5,11 @@
 gpt_tiny (2 blocks of 128, 128-byte windows, global batch 32) on the embedded corpus,
 under one device (TensorFlow's default strategy) and `mirrored` over 2 logical CPUs,
 measured side by side in one run. Keras fit gets the best steps_per_execution of
-{1, 10, 50} and XLA where Keras allows it; the tutorial loop is the one from
+{1, 10, 50} (picked in a first round) and XLA where Keras allows it; the tutorial loop is the one from
 "Custom training with tf.distribute.Strategy" (tf.function per step, apply_gradients).
+Each of `--repeats` rounds then measures fit, tfpar's loop and the tutorial loop one after
+the other; the JSON keeps every round and reports medians (tokens/s and the per-round
+ratios), since a shared 2-core VM drifts by +-10% between runs.
 Speed lives here, never in tests.
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -104,6 +108,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     splits = data_lib.text_corpus(SEQ)
@@ -115,16 +120,19 @@ def main() -> None:
     for name, strategy in strategies.items():
         fit = {spe: keras_fit(strategy, splits, spe, args.warmup, args.steps) for spe in (1, 10, 50)}
         best_spe = max(fit, key=fit.get)
-        row = {
-            "keras_fit_tok_s": fit[best_spe], "keras_fit_steps_per_execution": best_spe,
-            "keras_fit_by_spe": {str(k): v for k, v in fit.items()},
-            "tfpar_loop_tok_s": tfpar_loop(strategy, splits, args.warmup, args.steps),
-            "tutorial_loop_tok_s": tutorial_loop(strategy, splits, args.warmup, args.steps),
-        }
-        row["loop_over_fit"] = row["tfpar_loop_tok_s"] / row["keras_fit_tok_s"]
-        row["loop_over_tutorial"] = row["tfpar_loop_tok_s"] / row["tutorial_loop_tok_s"]
-        results[name] = row
-        print(name, json.dumps(row, indent=1), flush=True)
+        rounds = []
+        for _ in range(args.repeats):
+            row = {"keras_fit_tok_s": keras_fit(strategy, splits, best_spe, args.warmup, args.steps),
+                   "tfpar_loop_tok_s": tfpar_loop(strategy, splits, args.warmup, args.steps),
+                   "tutorial_loop_tok_s": tutorial_loop(strategy, splits, args.warmup, args.steps)}
+            row["loop_over_fit"] = row["tfpar_loop_tok_s"] / row["keras_fit_tok_s"]
+            row["loop_over_tutorial"] = row["tfpar_loop_tok_s"] / row["tutorial_loop_tok_s"]
+            rounds.append(row)
+            print(name, json.dumps(row), flush=True)
+        results[name] = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+        results[name].update({"keras_fit_steps_per_execution": best_spe,
+                              "keras_fit_by_spe_first_round": {str(k): v for k, v in fit.items()},
+                              "rounds": rounds})
     with open(os.path.join(args.out, "loop_vs_fit.json"), "w") as f:
         json.dump({"model": "gpt_tiny", "seq_len": SEQ, "global_batch": BATCH, "results": results}, f, indent=2)
 
