@@ -123,3 +123,172 @@ def test_trainer_with_a_pipeline_trains_like_the_unsplit_model(tmp_path):
     summary = placement.timeline.draw(timings, str(tmp_path / "gantt.png"), gif=str(tmp_path / "p.gif"))
     assert 0 <= summary["bubble"] < 1 and summary["bubble_theory"] == pytest.approx(1 / 5)
     assert (tmp_path / "gantt.png").stat().st_size > 1000 and (tmp_path / "p.gif").stat().st_size > 1000
+
+
+def _train(model, trainer_kwargs, strategy, steps=4):
+    """SGD with momentum for `steps` steps on one fixed global batch of 8."""
+    import keras
+
+    from tfpar.loop import Trainer
+
+    x, y, w = batch()
+    dataset = tf.data.Dataset.from_tensors((x, y, w)).repeat().unbatch().batch(8)
+    with strategy.scope():
+        optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+    trainer = Trainer(model, optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      strategy=strategy, steps_per_loop=2, **trainer_kwargs)
+    trainer.fit(strategy.experimental_distribute_dataset(dataset), steps=steps)
+    return trainer
+
+
+@pytest.mark.parametrize("compression", [None, "topk"])
+def test_hybrid_two_replicas_of_a_two_stage_pipeline_train_like_one_device(compression):
+    import keras
+
+    from tfpar import compression as compression_lib
+
+    keras.utils.set_random_seed(0)
+    reference = small_gpt()
+    reference.build((None, 8))
+    initial = reference.get_weights()
+    _train(reference, {}, tf.distribute.get_strategy())
+
+    plan = placement.balanced(reference, DEVICES[:2]).replicate(DEVICES)
+    assert plan.replica_devices == (("/cpu:0", "/cpu:1"), ("/cpu:2", "/cpu:3"))
+    assert "/cpu:1, /cpu:3" in plan.table()
+    with plan.scope() as strategy:
+        model = small_gpt()
+        model.build((None, 8))
+    assert strategy is plan.strategy and strategy.num_replicas_in_sync == 2
+    model.set_weights(initial)
+    pipe = placement.Pipeline(model, plan, micro_batches=2, schedule="1f1b", record=True)
+    options = {"compression": compression_lib.TopK(1.0)} if compression else {}  # ratio 1: exact
+    trainer = _train(model, {"placement": pipe, **options}, strategy)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+    def index(device):
+        return tf.DeviceSpec.from_string(device).device_index
+
+    momentum = {m.path.split("/")[-1]: m for m in trainer.optimizer.variables}
+    for v in model.trainable_variables:  # every replica's copy, and its slot, on its stage device
+        stage = next(name for name, layer in model.stages() if any(v is lv for lv in layer.weights))
+        slot = momentum[v.path.replace("/", "_") + "_momentum"]
+        for r, (copy, slot_copy) in enumerate(zip(v.value.values, slot.value.values)):
+            want = index(plan.device_of(stage, replica=r))
+            assert index(copy.device) == index(slot_copy.device) == want, (v.path, r)
+    assert set(pipe.timings_by_replica) == {0, 1}
+
+
+def test_a_hybrid_plan_needs_its_own_strategy():
+    import keras
+
+    from tfpar.loop import Trainer
+
+    model = small_gpt()
+    plan = placement.balanced(model, DEVICES[:2]).replicate(DEVICES)
+    with pytest.raises(placement.PlacementError, match="multiple of 2 devices"):
+        placement.balanced(model, DEVICES[:2]).replicate(DEVICES[:3])
+    pipe = placement.Pipeline(model, plan, micro_batches=2)
+    with pytest.raises(Exception, match="own strategy"):
+        Trainer(model, keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(),
+                placement=pipe)
+
+
+def fake_tpu(mesh_shape):
+    """A TPU topology built in memory: one task, cores enumerated x-major."""
+    x_n, y_n, z_n, c_n = mesh_shape
+    coords = [[x, y, z, c] for z in range(z_n) for y in range(y_n) for x in range(x_n) for c in range(c_n)]
+    return tf.tpu.experimental.Topology(mesh_shape=mesh_shape, device_coordinates=np.array([coords], np.int32))
+
+
+def test_tpu_plans_map_stages_to_logical_cores_of_each_replica():
+    from tfpar.placement import tpu
+
+    plan = tpu.logical(placement.balanced(small_gpt(), DEVICES[:2]))
+    assert plan.devices == ["logical:0", "logical:1"]
+    v3_8 = fake_tpu([2, 2, 1, 2])  # 4 chips x 2 cores
+    two = tpu.device_assignment(v3_8, stages=2)  # a replica = the two cores of one chip
+    assert (two.num_replicas, two.num_cores_per_replica) == (4, 2)
+    for r in range(4):
+        chip0, chip1 = two.core_assignment[r]
+        assert list(chip0[:3]) == list(chip1[:3]) and (chip0[3], chip1[3]) == (0, 1)
+    four = tpu.device_assignment(v3_8, stages=4)  # two neighbouring chips per replica
+    assert (four.num_replicas, four.num_cores_per_replica) == (2, 4)
+    cores = {tuple(c) for r in range(2) for c in four.core_assignment[r]}
+    assert len(cores) == 8  # every core used once
+    assert tpu.computation_shape([2, 2, 1, 2], 4) == [2, 1, 1, 2]
+    with pytest.raises(placement.PlacementError, match="do not divide the 8 TPU cores"):
+        tpu.device_assignment(v3_8, stages=3)
+
+
+def test_a_tpu_pipeline_annotates_each_stage_with_its_core(monkeypatch):
+    from tfpar.placement import tpu
+
+    class RecordingStrategy:  # stands in for TPUStrategy: records the annotations
+        def __init__(self):
+            self.cores = []
+
+        def experimental_assign_to_logical_device(self, tensor, core):
+            self.cores.append(core)
+            return tf.identity(tensor)
+
+    reference = small_gpt()
+    x, y, w = batch()
+    with tf.GradientTape() as tape:
+        loss = share(y, reference(x), w)
+    expected = tape.gradient(loss, reference.trainable_variables)
+    recorder = RecordingStrategy()
+    monkeypatch.setattr(tf.distribute, "get_strategy", lambda: recorder)
+    plan = tpu.logical(placement.balanced(reference, DEVICES[:2]))
+    pipe = placement.Pipeline(reference, plan, micro_batches=2, schedule="1f1b")
+    got, grads = pipe.forward_backward(x, y, w, share)
+    np.testing.assert_allclose(got, loss, rtol=1e-6)
+    for g, e in zip(grads, expected):
+        np.testing.assert_allclose(tf.convert_to_tensor(g), tf.convert_to_tensor(e), rtol=1e-5, atol=1e-6)
+    # each micro-batch enters stage 0 and stage 1 forward, and stage 0's gradient comes back
+    assert sorted(recorder.cores) == [0, 0, 0, 0, 1, 1]
+
+
+def test_plans_balance_by_counted_flops_and_measured_seconds():
+    from tfpar.placement import costs
+
+    model = GPT(vocab_size=256, max_len=16, dim=64, depth=2, heads=4)
+    x = tf.zeros([4, 16], tf.int32)
+    counted = costs.flops(model, x)
+    names = [n for n, _ in model.stages()]
+    assert list(counted) == names and all(counted[n] > 0 for n in names if n != "embed")
+    # an MLP block (2 * 64 * 256 weights) does ~2x the matrix work of attention's projections
+    assert 1.5 < counted["blocks.0.mlp"] / counted["blocks.0.attn"] < 3
+    timed = costs.seconds(model, x, repeats=2)
+    assert list(timed) == names and all(t > 0 for t in timed.values())
+    plan = placement.balanced(model, DEVICES[:2], cost=counted)
+    assert len(plan.groups) == 2
+    with pytest.raises(placement.PlacementError, match="no entry for stages head"):
+        placement.balanced(model, DEVICES[:2], cost={n: 1.0 for n in names[:-1]})
+
+
+def test_placement_read_from_the_executed_graphs():
+    """The placer's log of the executed train step: every matrix product of a stage, forward
+    and backward, and every optimizer update of its variables runs on its stage's device."""
+    import json
+    import re
+
+    import procs
+
+    result = procs.run_python([str(procs.SCRIPTS / "placement_log.py")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    info = json.loads(result.stdout.strip().splitlines()[-1])
+    placed = [m.groups() for m in re.finditer(r"^(\S+): \((\w+)\): \S*device:CPU:(\d+)$",
+                                              result.stdout, re.MULTILINE)]
+    products = [(name, int(dev)) for name, op, dev in placed if op in ("MatMul", "BatchMatMulV2", "Einsum")]
+    for stage, layer in info["layers"].items():
+        mine = [(name, dev) for name, dev in products if re.search(rf"/{layer}_\d+/", name)]
+        if stage == "embed":
+            continue  # a gather, no matrix product
+        forward = [d for n, d in mine if "gradient_tape" not in n]
+        backward = [d for n, d in mine if "gradient_tape" in n]
+        assert forward and backward, stage
+        assert set(forward) == set(backward) == {info["stages"][stage]}, stage
+    updates = [int(dev) for name, op, dev in placed if op == "AssignSubVariableOp" and "/sgd/" in name]
+    assert {i: updates.count(i) for i in (0, 1)} == {int(k): v for k, v in info["variables_per_device"].items()}

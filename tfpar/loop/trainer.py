@@ -31,6 +31,7 @@ from tfpar.compression.compressors import Compressor
 from tfpar.errors import TfparError
 from tfpar.loop import parameter_server
 from tfpar.loop.aggregation import AllReduce, GradientAggregator, NoReduce
+from tfpar.placement import tpu as tpu_placement
 
 
 class TrainerError(TfparError, ValueError):
@@ -89,6 +90,8 @@ class Trainer:
         (compressor + policy); shorthand for the aggregator that compresses.
       placement: a tfpar.placement.Pipeline: the model's stage groups run on their
         devices, micro-batch by micro-batch (XLA is then off: the pipeline spans devices).
+        With a hybrid plan (`plan.replicate`) each replica runs its own pipeline under
+        `plan.strategy` and the aggregator (compression too) syncs their gradients.
       xla: jit-compile forward + backward (default on). The compiled function is pure:
         it takes the variables' values as tensors (Keras `stateless_call`), which is what
         lets XLA run under MirroredStrategy too (a compiled function that captures mirrored
@@ -122,9 +125,8 @@ class Trainer:
             self._async = parameter_server.AsyncSteps(self.strategy)
         self.aggregator = aggregator or AllReduce()
         self.placement = placement
-        if placement is not None and (self._async or self.strategy.num_replicas_in_sync > 1):
-            raise TrainerError("Layer placement runs on one replica here (hybrid data x pipeline "
-                               "parallelism is not built yet): use the default strategy.")
+        if placement is not None:
+            self._check_placement(placement)
         if placement is not None and model.non_trainable_variables:
             raise TrainerError("Layer placement needs a model without non-trainable state "
                                "(e.g. no BatchNormalization).")
@@ -153,6 +155,24 @@ class Trainer:
         self._train_loop = tf.function(self._train_loop_fn, reduce_retracing=True)
         # The coordinator binds only tensor arguments: its function has no phase argument.
         self._scheduled_loop = tf.function(lambda iterator, steps: self._train_loop_fn(iterator, steps))
+
+    def _check_placement(self, placement) -> None:
+        replicas = placement.plan.replicas
+        if all(tpu_placement.is_logical(d) for d in placement.plan.devices):
+            if not isinstance(self.strategy, tf.distribute.TPUStrategy):
+                raise TrainerError("A plan on TPU cores (placement.tpu.logical) trains under "
+                                   "placement.tpu.strategy(...), a TPUStrategy.")
+            return  # every replica runs the same plan on its own cores
+        if self._async:
+            raise TrainerError("Layer placement does not run under parameter_server; use a plan "
+                               "(or a hybrid plan.replicate(...)) under its own plan.strategy.")
+        if replicas != self.strategy.num_replicas_in_sync or (
+                replicas > 1 and self.strategy is not placement.plan.strategy):
+            raise TrainerError(
+                f"This placement has {replicas} pipeline replica(s) but the strategy has "
+                f"{self.strategy.num_replicas_in_sync}: build and train a hybrid plan under its "
+                "own strategy (`with plan.scope() as strategy:` ... Trainer(strategy=strategy)), "
+                "a single pipeline under the default strategy.")
 
     # -- one replica ------------------------------------------------------------------
 

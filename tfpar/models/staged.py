@@ -11,15 +11,25 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
-from typing import Mapping, NamedTuple
+from typing import NamedTuple
 
 import keras
-import tensorflow as tf
 
-_STAGE_DEVICES: contextvars.ContextVar = contextvars.ContextVar("stage_devices", default=None)
+_BUILDING_STAGE: contextvars.ContextVar = contextvars.ContextVar("building_stage", default=None)
+
+
+def building_stage() -> str | None:
+    """The name of the stage whose variables are being created now (inside
+    `StagedModel.build`), else None: what a variable creator needs to place them.
+
+    Example (what tfpar.placement.StagePlan.scope does):
+        >>> def creator(next_creator, **kwargs):
+        ...     with tf.device(devices[building_stage()]):
+        ...         return next_creator(**kwargs)
+    """
+    return _BUILDING_STAGE.get()
 
 
 class Stage(NamedTuple):
@@ -59,30 +69,19 @@ class StagedModel(keras.Model):
             groups.setdefault(key, []).append(stage)
         return list(groups.values())
 
-    @staticmethod
-    @contextlib.contextmanager
-    def placed(devices: Mapping[str, str]):
-        """Models built inside create each stage's variables on `devices[stage name]`.
-
-        Example:
-            >>> with StagedModel.placed({"embed": "/cpu:0", ..., "head": "/cpu:1"}):
-            ...     model = GPT.from_preset("tiny")
-        """
-        token = _STAGE_DEVICES.set(dict(devices))
-        try:
-            yield
-        finally:
-            _STAGE_DEVICES.reset(token)
-
     def build(self, input_shape):
-        """Builds each stage on the output shape of the one before (on its device, when
-        built inside `StagedModel.placed`)."""
+        """Builds each stage on the output shape of the one before, naming the stage being
+        built (see `building_stage`) so a placement's variable creator can place it.
+        Models build themselves in __init__; building again is a no-op."""
+        if self.built:
+            return
         shape = tuple(input_shape)
-        devices = _STAGE_DEVICES.get() or {}
         for stage in self._stage_list:
-            device = devices.get(stage.name)
-            with tf.device(device) if device else contextlib.nullcontext():
+            token = _BUILDING_STAGE.set(stage.name)
+            try:
                 stage.layer.build(shape)
+            finally:
+                _BUILDING_STAGE.reset(token)
             shape = tuple(stage.layer.compute_output_shape(shape))
         self.built = True
 

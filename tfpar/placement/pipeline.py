@@ -12,6 +12,13 @@ model's. The order of the work per stage is forced with control dependencies:
 - `1f1b`: after S - s warm-up forwards, stage s alternates one backward and one forward, so
   at most S micro-batches are in flight (less activation memory than GPipe).
 
+Under a hybrid plan (`plan.replicate(...)`, trained under `plan.strategy`) each replica
+runs its own pipeline on its own devices; the Trainer's aggregator then all-reduces the
+gradients across replicas, once per step, as for any data-parallel run.
+
+On a TPU (`tpu.logical(plan)`) a stage's "device" is a logical core of the replica: the
+stage's input, and the gradient handed back to it, are annotated with that core instead.
+
 With `record=True` every unit of work (stage, micro-batch, forward/backward) is timed with
 `tf.timestamp()` before and after it, inside the graph: see tfpar.placement.timeline.
 
@@ -22,10 +29,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import tensorflow as tf
 
+from tfpar.placement import tpu
 from tfpar.placement.plan import PlacementError, StagePlan
 
 SCHEDULES = ("naive", "gpipe", "1f1b")
@@ -67,12 +76,43 @@ class Pipeline:
         self.schedule, self.remat, self.record = schedule, remat, record
         layers = dict(model.stages())
         self.groups = [[layers[n] for n in g.names] for g in plan.groups]
-        self.devices = plan.devices
         self.order = schedule_order(schedule, len(self.groups), micro_batches)
-        self.timings = None  # [units, 4]: stage, micro-batch, 0 fwd / 1 bwd, start, end
+        self.timings_by_replica: dict[int, tf.Tensor] = {}
+
+    @property
+    def timings(self):
+        """Replica 0's recorded units of the last traced step, [units, 5]: stage,
+        micro-batch, 0 forward / 1 backward, start and end (seconds, tf.timestamp)."""
+        return self.timings_by_replica.get(0)
+
+    def _replica(self) -> int:
+        """This replica's index (its row of the plan); 0 outside a hybrid plan."""
+        if self.plan.replicas == 1:
+            return 0
+        context = tf.distribute.get_replica_context()
+        replica = None if context is None else tf.get_static_value(context.replica_id_in_sync_group)
+        if replica is None or tf.distribute.get_strategy().num_replicas_in_sync != self.plan.replicas:
+            raise PlacementError(f"A hybrid plan of {self.plan.replicas} replicas runs inside "
+                                 "plan.strategy.run (tfpar.Trainer does this).")
+        return int(replica)
 
     def group_variables(self, s: int) -> list:
         return [v for layer in self.groups[s] for v in layer.trainable_variables]
+
+    @staticmethod
+    def _on(device: str):
+        """Where a stage's ops go: its device (a TPU core is chosen by annotation instead)."""
+        return contextlib.nullcontext() if tpu.is_logical(device) else tf.device(device)
+
+    @staticmethod
+    def _hand_to(device: str, tensor):
+        """`tensor` arriving at a stage: copied to its device or annotated with its core."""
+        if tensor is None:
+            return None
+        if tpu.is_logical(device):
+            return tf.distribute.get_strategy().experimental_assign_to_logical_device(
+                tensor, tpu.logical_core(device))
+        return tf.identity(tensor)
 
     def _apply(self, s: int, h, training=True):
         def run(h):
@@ -88,6 +128,8 @@ class Pipeline:
         over its examples divided by the whole batch's denominator), so shares add up.
         """
         m_count, s_count = self.micro_batches, len(self.groups)
+        replica = self._replica()
+        devices = self.plan.replica_devices[replica]
         xs = tf.split(x, m_count)
         ys = tf.split(y, m_count)
         ws = tf.split(w, m_count) if w is not None else [None] * m_count
@@ -118,9 +160,9 @@ class Pipeline:
                     continue
                 pending[s].pop(0)
                 progressed = True
-                with tf.device(self.devices[s]):
+                with self._on(devices[s]):
                     if kind == "F":
-                        h_in = xs[m] if s == 0 else tf.identity(outputs[(s - 1, m)])
+                        h_in = self._hand_to(devices[s], xs[m] if s == 0 else outputs[(s - 1, m)])
                         with tf.control_dependencies(after(s, [h_in])):
                             start = tf.timestamp()
                             h_in = tf.identity(h_in)
@@ -138,7 +180,7 @@ class Pipeline:
                         last_unit[s] = end
                         stamps.append((s, m, 0, start, end))
                     else:
-                        upstream = None if s == s_count - 1 else tf.identity(grads_in[(s + 1, m)])
+                        upstream = None if s == s_count - 1 else self._hand_to(devices[s], grads_in[(s + 1, m)])
                         with tf.control_dependencies(after(s, [upstream])):
                             start = tf.timestamp()
                         variables = self.group_variables(s)
@@ -159,7 +201,7 @@ class Pipeline:
             if not progressed:
                 raise PlacementError(f"Schedule {self.schedule} deadlocked (a bug in its order).")
         if self.record:
-            self.timings = tf.stack([tf.stack([tf.constant(s, tf.float64), tf.constant(m, tf.float64),
+            self.timings_by_replica[replica] = tf.stack([tf.stack([tf.constant(s, tf.float64), tf.constant(m, tf.float64),
                                                tf.constant(k, tf.float64), a, b])
                                      for s, m, k, a, b in stamps])
         loss = tf.add_n(losses)

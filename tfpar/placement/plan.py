@@ -2,23 +2,34 @@
 
 A StagedModel (tfpar.models) is a chain of named stages (`embed`, `blocks.0.attn`, ...,
 `head`); a plan cuts that chain into contiguous groups and gives each group a device.
-Plans are written by hand or balanced by parameter count (or any per-stage cost), and
-printed as a table before training.
+Plans are written by hand or balanced by parameter count, FLOPs or measured time (see
+tfpar.placement.costs), and printed as a table before training. `plan.replicate(devices)`
+makes a hybrid plan: R data-parallel copies of the pipeline, replica r on its own S devices,
+trained under `plan.strategy()` (a MirroredStrategy, one replica per pipeline).
 
 Example:
     >>> plan = manual(model, {"embed,blocks.0.attn-blocks.0.mlp": "/cpu:0",
     ...                       "blocks.1.attn-head": "/cpu:1"})
     >>> plan = balanced(model, ["/cpu:0", "/cpu:1"])          # by parameters
     >>> print(plan.table())
+    >>> hybrid = plan.replicate(["/gpu:0", "/gpu:1", "/gpu:2", "/gpu:3"])   # 2 x 2
+    >>> with hybrid.scope():                   # hybrid.strategy()'s scope, stages placed
+    ...     model = GPT.from_preset("tiny")
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
+
+import tensorflow as tf
+from tensorflow.python.eager import context as eager_context
 
 from tfpar.errors import TfparError
+from tfpar.models.staged import building_stage
 
 
 class PlacementError(TfparError, ValueError):
@@ -36,29 +47,104 @@ class StageGroup:
 
 @dataclasses.dataclass(frozen=True)
 class StagePlan:
+    """Stage groups in model order, each on a device; with `replicate`, R copies of them.
+
+    `replica_devices[r][s]` is the device of group s in data-parallel replica r (one row,
+    the groups' own devices, unless replicated).
+    """
+
     groups: tuple[StageGroup, ...]
+    replica_devices: tuple[tuple[str, ...], ...] = ()
+
+    def __post_init__(self):
+        if not self.replica_devices:
+            object.__setattr__(self, "replica_devices", (tuple(g.device for g in self.groups),))
 
     @property
     def devices(self) -> list[str]:
         return [g.device for g in self.groups]
 
-    def device_of(self, stage_name: str) -> str:
-        for group in self.groups:
+    @property
+    def replicas(self) -> int:
+        return len(self.replica_devices)
+
+    def device_of(self, stage_name: str, replica: int = 0) -> str:
+        return self.replica_devices[replica][self.group_of(stage_name)]
+
+    def group_of(self, stage_name: str) -> int:
+        for i, group in enumerate(self.groups):
             if stage_name in group.names:
-                return group.device
+                return i
         raise PlacementError(f"Stage {stage_name!r} is in no group of this plan.")
 
-    def scope(self):
-        """Build the model inside: each stage's variables are created on its device.
+    def replicate(self, devices: Sequence[str]) -> "StagePlan":
+        """Hybrid data x pipeline parallelism: len(devices) / S copies of this plan, replica
+        r on devices[r*S:(r+1)*S] (S = number of groups). Build and train under `scope()`.
+
+        Example:
+            >>> plan.replicate(["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"]).replica_devices
+            (('/cpu:0', '/cpu:1'), ('/cpu:2', '/cpu:3'))
+        """
+        stages, devices = len(self.groups), list(devices)
+        if not devices or len(devices) % stages:
+            raise PlacementError(f"A hybrid plan needs a multiple of {stages} devices (one per stage "
+                                 f"group per replica); got {len(devices)}.")
+        if len(set(devices)) != len(devices):
+            raise PlacementError(f"Devices repeat in {devices}: every (replica, stage) needs its own.")
+        rows = tuple(tuple(devices[r * stages:(r + 1) * stages]) for r in range(len(devices) // stages))
+        groups = tuple(dataclasses.replace(g, device=d) for g, d in zip(self.groups, rows[0]))
+        return StagePlan(groups, rows)
+
+    @functools.cached_property
+    def strategy(self) -> tf.distribute.Strategy:
+        """The strategy to train under: one replica per pipeline, on its stage-0 device (a
+        MirroredStrategy; the default strategy for a single pipeline)."""
+        if self.replicas == 1:
+            return tf.distribute.get_strategy()
+        from tfpar.strategy import create_strategy
+
+        return create_strategy("mirrored", devices=[row[0] for row in self.replica_devices])
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[tf.distribute.Strategy]:
+        """Build the model inside: each stage's variables are created on its device (in every
+        replica, for a hybrid plan, whose strategy's scope this also enters).
 
         Example:
             >>> plan = balanced(GPT.from_preset("tiny"), ["/cpu:0", "/cpu:1"])
             >>> with plan.scope():
             ...     model = GPT.from_preset("tiny")
         """
-        from tfpar.models.staged import StagedModel
+        with tf.variable_creator_scope(self._place_variable):  # outside: runs after the
+            if self.replicas == 1:                              # strategy's own creator
+                yield tf.distribute.get_strategy()
+                return
+            with self.strategy.scope():
+                yield self.strategy
 
-        return StagedModel.placed({name: g.device for g in self.groups for name in g.names})
+    def _place_variable(self, next_creator, **kwargs):
+        stage = building_stage()
+        if stage is None:  # not a stage's weight (optimizer slots follow their variable)
+            return next_creator(**kwargs)
+        device = self.device_of(stage, self._replica_here())
+        if device.startswith("logical:"):  # a TPU core: TPUStrategy places the variables
+            return next_creator(**kwargs)
+        with tf.device(device):
+            return next_creator(**kwargs)
+
+    def _replica_here(self) -> int:
+        """The replica whose copy is being created: MirroredStrategy creates replica r's
+        copy under its device, replica r's stage-0 device."""
+        if self.replicas == 1:
+            return 0
+        here = tf.DeviceSpec.from_string(eager_context.context().device_name or "")
+        for r, row in enumerate(self.replica_devices):
+            spec = tf.DeviceSpec.from_string(row[0])
+            if (spec.device_type or "").upper() == (here.device_type or "").upper() \
+                    and spec.device_index == here.device_index:
+                return r
+        raise PlacementError("Build a hybrid plan's model inside `with plan.scope():` (it enters "
+                             "plan.strategy's scope, which creates one copy per replica).")
 
     def largest_share(self) -> float:
         """The largest group's share of all parameters (1/S when perfectly balanced)."""
@@ -66,11 +152,13 @@ class StagePlan:
         return max(g.params for g in self.groups) / max(total, 1)
 
     def table(self) -> str:
-        """One line per group: stage index, layers, parameters, fp32 bytes, device."""
-        rows = [("stage", "layers", "params", "memory", "device")]
+        """One line per group: stage index, layers, parameters, fp32 bytes, device (one per
+        replica for a hybrid plan)."""
+        rows = [("stage", "layers", "params", "memory", "devices" if self.replicas > 1 else "device")]
         for i, g in enumerate(self.groups):
             layers = g.names[0] if len(g.names) == 1 else f"{g.names[0]} .. {g.names[-1]}"
-            rows.append((str(i), layers, f"{g.params:,}", f"{4 * g.params / 1e6:.2f} MB", g.device))
+            devices = ", ".join(row[i] for row in self.replica_devices)
+            rows.append((str(i), layers, f"{g.params:,}", f"{4 * g.params / 1e6:.2f} MB", devices))
         widths = [max(len(r[c]) for r in rows) for c in range(5)]
         return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows)
 
@@ -117,14 +205,25 @@ def manual(model, assignment: Mapping[str, str]) -> StagePlan:
 
 
 def balanced(model, devices: Sequence[str],
-             cost: Callable[[str, int], float] | None = None) -> StagePlan:
+             cost: Callable[[str, int], float] | Mapping[str, float] | None = None) -> StagePlan:
     """Cuts the stages into len(devices) contiguous groups minimising the largest group's
-    cost (default: its parameter count; pass `cost(name, params)` for FLOPs or measured
-    time). Exact: dynamic programming over the cut points."""
+    cost: its parameter count by default, or a cost per stage name (a mapping, e.g.
+    `costs.flops(model, x)` or `costs.seconds(model, x)`, or `cost(name, params)`).
+    Exact: dynamic programming over the cut points.
+
+    Example:
+        >>> balanced(model, ["/cpu:0", "/cpu:1"], cost=costs.seconds(model, x)).table()
+    """
     stages = stage_params(model)
     if len(devices) > len(stages):
         raise PlacementError(f"{len(devices)} devices but only {len(stages)} stages to place.")
-    weights = [cost(n, p) if cost else p for n, p in stages]
+    if isinstance(cost, Mapping):
+        missing = [n for n, _ in stages if n not in cost]
+        if missing:
+            raise PlacementError(f"The cost mapping has no entry for stages {', '.join(missing)}.")
+        weights = [float(cost[n]) for n, _ in stages]
+    else:
+        weights = [cost(n, p) if cost else p for n, p in stages]
     cuts = _linear_partition(weights, len(devices))
     groups, start = [], 0
     for device, stop in zip(devices, cuts):
