@@ -118,8 +118,17 @@ def test_trainer_with_a_pipeline_trains_like_the_unsplit_model(tmp_path):
         assert index(v.value.device) == index(slot.value.device) == index(plan.device_of(stage)), v.path
 
     # one recorded step: 2 stages x 4 micro-batches x (forward, backward), drawn
-    timings = tf.function(lambda: (pipe.forward_backward(x, y, w, share), pipe.timings)[1])().numpy()
+    timings = tf.function(lambda: (pipe.forward_backward(x, y, w, share), pipe.timings)[::-1])()[0].numpy()
     assert timings.shape == (16, 5) and np.all(timings[:, 4] >= timings[:, 3])
+    units = {(int(s), int(m), int(k)): (a, b) for s, m, k, a, b in timings}
+    for s, order in enumerate(pipe.order):  # each stage's units in schedule order, not overlapping
+        spans = [units[(s, m, 0 if kind == "F" else 1)] for kind, m in order]
+        assert all(prev[1] <= nxt[0] for prev, nxt in zip(spans, spans[1:])), s
+    for m in range(4):  # data dependencies: stage 1's forward follows stage 0's; backward, reversed
+        first, then = units[(0, m, 0)], units[(1, m, 0)]
+        assert first[0] <= then[0] and first[1] <= then[1]
+        first, then = units[(1, m, 1)], units[(0, m, 1)]
+        assert first[0] <= then[0] and first[1] <= then[1]
     summary = placement.timeline.draw(timings, str(tmp_path / "gantt.png"), gif=str(tmp_path / "p.gif"))
     assert 0 <= summary["bubble"] < 1 and summary["bubble_theory"] == pytest.approx(1 / 5)
     assert (tmp_path / "gantt.png").stat().st_size > 1000 and (tmp_path / "p.gif").stat().st_size > 1000

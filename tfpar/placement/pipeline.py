@@ -114,6 +114,26 @@ class Pipeline:
                 tensor, tpu.logical_core(device))
         return tf.identity(tensor)
 
+    @staticmethod
+    def _stamp(deps) -> tf.Tensor:
+        """tf.timestamp() after `deps`. Inside tf.function, automatic control dependencies
+        chain every stateful op without a resource input (tf.timestamp is one) in creation
+        order, which would serialise the stages; marked independent it only runs after
+        `deps` and before the function returns."""
+        with tf.control_dependencies(deps):
+            stamp = tf.timestamp()
+        manager = getattr(stamp.graph, "experimental_acd_manager", None)
+        if manager is not None:
+            manager.run_independently(stamp.op)
+        return stamp
+
+    def _begin(self, deps):
+        """(start stamp or None, what the unit's first op must wait for)."""
+        if not self.record:
+            return None, deps
+        start = self._stamp(deps)
+        return start, [start]
+
     def _apply(self, s: int, h, training=True):
         def run(h):
             for layer in self.groups[s]:
@@ -163,9 +183,9 @@ class Pipeline:
                 with self._on(devices[s]):
                     if kind == "F":
                         h_in = self._hand_to(devices[s], xs[m] if s == 0 else outputs[(s - 1, m)])
-                        with tf.control_dependencies(after(s, [h_in])):
-                            start = tf.timestamp()
-                            h_in = tf.identity(h_in)
+                        start, deps = self._begin(after(s, [h_in]))
+                        with tf.control_dependencies(deps):
+                            h_in = tf.identity(h_in)  # the stage's work starts here
                         tape = tf.GradientTape()
                         with tape:
                             if s > 0:
@@ -175,17 +195,13 @@ class Pipeline:
                                 out = loss_fn(ys[m], out, ws[m])
                                 losses[m] = out
                         tapes[(s, m)], inputs[(s, m)], outputs[(s, m)] = tape, h_in, out
-                        with tf.control_dependencies([out]):
-                            end = tf.timestamp()
-                        last_unit[s] = end
-                        stamps.append((s, m, 0, start, end))
+                        done = [out]
                     else:
-                        upstream = None if s == s_count - 1 else self._hand_to(devices[s], grads_in[(s + 1, m)])
-                        with tf.control_dependencies(after(s, [upstream])):
-                            start = tf.timestamp()
+                        upstream = self._hand_to(devices[s], grads_in.get((s + 1, m)))
+                        start, deps = self._begin(after(s, [upstream]))
                         variables = self.group_variables(s)
                         sources = variables + ([inputs[(s, m)]] if s > 0 else [])
-                        with tf.control_dependencies([start]):
+                        with tf.control_dependencies(deps):
                             result = tapes.pop((s, m)).gradient(
                                 outputs[(s, m)], sources, output_gradients=upstream)
                         for i, g in enumerate(result[:len(variables)]):
@@ -194,10 +210,11 @@ class Pipeline:
                         if s > 0:
                             grads_in[(s, m)] = result[-1]
                         done = [g for g in result if g is not None]
-                        with tf.control_dependencies(done):
-                            end = tf.timestamp()
-                        last_unit[s] = end
-                        stamps.append((s, m, 1, start, end))
+                    if self.record:  # the next unit of this stage starts after this one's end
+                        last_unit[s] = self._stamp(done)
+                        stamps.append((s, m, 0 if kind == "F" else 1, start, last_unit[s]))
+                    else:
+                        last_unit[s] = tf.group(*done)  # a token, not a stateful op (see _stamp)
             if not progressed:
                 raise PlacementError(f"Schedule {self.schedule} deadlocked (a bug in its order).")
         if self.record:
