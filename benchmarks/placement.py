@@ -2,13 +2,17 @@
 
     python benchmarks/placement.py --out=bench_out            # JSON + PNGs in bench_out/
 
-The CPU is split into 4 logical devices with intra_op=1 and inter_op=4 threads, so each
-op runs on one core and ops of different stages can run at once: the stages overlap
-only as much as the schedule lets them. For S in {2, 4} and M in {1, 2, 4, 8} (gpipe,
-balanced by parameters) it reports the time of a whole training step (tfpar.Trainer with
-the pipeline), the bubble measured from the recorded schedule (units timed inside the
-graph) beside the theoretical (S - 1) / (M + S - 1), and the parameter bytes on each
-device. The baseline is the same model unsplit on one device. A Gantt chart of each
+Global batch 256 sequences of 128 bytes (--batch): with micro-batches of 32, each op is
+big enough that the executor's per-op cost does not swamp it (at batch 32, M=8 units of 4
+sequences ran ~1.7x slower per sequence than unsplit). The CPU is split into 4 logical
+devices with intra_op=1 and inter_op=4 threads, so each op runs on one core and ops of
+different stages can run at once: the stages overlap only as much as the schedule lets
+them. For S in {2, 4} and M in {1, 2, 4, 8} (gpipe, balanced by parameters) it reports the
+time of a whole training step (tfpar.Trainer with the pipeline; every setting is built and
+warmed first, then all are timed in interleaved rounds and the median kept, since this VM
+drifts by +-20% over minutes), the bubble measured from the recorded schedule (units timed
+inside the graph) beside the theoretical (S - 1) / (M + S - 1), and the parameter bytes on
+each device. The baseline is the same model unsplit on one device. A Gantt chart of each
 measured schedule is written next to the JSON. Speed lives here, never in tests.
 """
 
@@ -39,7 +43,8 @@ from tfpar.loop import Trainer  # noqa: E402
 from tfpar.models import GPT  # noqa: E402
 from tfpar.recipes import SmoothedSparseCrossentropy  # noqa: E402
 
-SEQ, BATCH = 128, 32
+SEQ = 128
+BATCH = 32  # set from --batch in main
 
 
 def gpt_tiny():
@@ -54,71 +59,63 @@ def loss_share(denominator):
     return share
 
 
-def step_seconds(trainer, iterator, warmup: int, steps: int, repeats: int) -> float:
-    """Median seconds per optimizer step over `repeats` timed runs of `steps` steps."""
-    trainer.train_steps(iterator, warmup)
-    times = []
-    for _ in range(repeats):
+class Config:
+    """One setting (unsplit, or S stages x M micro-batches): its trainer, data and timings."""
+
+    def __init__(self, splits, initial, stages: int = 1, micro_batches: int = 1):
+        self.stages, self.micro_batches, self.plan, self.pipe = stages, micro_batches, None, None
+        keras.utils.set_random_seed(0)
+        if stages == 1:
+            model = gpt_tiny()
+        else:
+            self.plan = placement.balanced(gpt_tiny(), [f"/cpu:{i}" for i in range(stages)])
+            with self.plan.scope():
+                model = gpt_tiny()
+            self.pipe = placement.Pipeline(model, self.plan, micro_batches=micro_batches,
+                                           schedule="gpipe", record=True)
+        model.set_weights(initial)
+        self.trainer = Trainer(model, keras.optimizers.AdamW(1e-3), SmoothedSparseCrossentropy(),
+                               placement=self.pipe, xla=False)
+        self.iterator = iter(data_lib.distribute_train(tf.distribute.get_strategy(), splits.train, BATCH))
+        self.times: list[float] = []
+
+    def run(self, steps: int) -> None:
         start = time.perf_counter()
-        trainer.train_steps(iterator, steps)
-        times.append((time.perf_counter() - start) / steps)
-    return statistics.median(times)
+        self.trainer.train_steps(self.iterator, steps)
+        self.times.append((time.perf_counter() - start) / steps)
 
+    def record(self, repeats: int, png: str) -> dict:
+        """The measured schedule of one forward + backward (median bubble of `repeats`)."""
+        x, y = next(self.iterator)[:2]
+        w = tf.ones(tf.shape(y), tf.float32)
 
-def measure(stages: int, micro_batches: int, splits, initial, args, out: str) -> dict:
-    keras.utils.set_random_seed(0)
-    template = gpt_tiny()
-    template.build((None, SEQ))
-    plan = placement.balanced(template, [f"/cpu:{i}" for i in range(stages)])
-    with plan.scope():
-        model = gpt_tiny()
-        model.build((None, SEQ))
-    model.set_weights(initial)
-    pipe = placement.Pipeline(model, plan, micro_batches=micro_batches, schedule="gpipe", record=True)
-    trainer = Trainer(model, keras.optimizers.AdamW(1e-3), SmoothedSparseCrossentropy(), placement=pipe)
-    iterator = iter(data_lib.distribute_train(tf.distribute.get_strategy(), splits.train, BATCH))
-    seconds = step_seconds(trainer, iterator, args.warmup, args.steps, args.repeats)
+        @tf.function
+        def one():  # returns the gradients too, or they are pruned from the measured graph
+            loss, grads = self.pipe.forward_backward(x, y, w, loss_share(float(BATCH * SEQ)))
+            return self.pipe.timings, loss, grads
 
-    x, y = next(iterator)[:2]
-    w = tf.ones(tf.shape(y), tf.float32)
-    @tf.function
-    def record():  # returns the gradients too, or they are pruned from the measured graph
-        loss, grads = pipe.forward_backward(x, y, w, loss_share(float(BATCH * SEQ)))
-        return pipe.timings, loss, grads
-
-    record()  # trace
-    summaries = [placement.timeline.summarize(record()[0].numpy()) for _ in range(args.repeats)]
-    bubble = statistics.median(s["bubble"] for s in summaries)
-    timings = record()[0].numpy()
-    placement.timeline.draw(timings, os.path.join(out, f"pipeline_s{stages}_m{micro_batches}.png"),
-                            title=f"gpt_tiny, {stages} stages, M={micro_batches}:")
-    total = sum(g.params for g in plan.groups)
-    return {"stages": stages, "micro_batches": micro_batches, "step_s": seconds,
-            "bubble": bubble, "bubble_theory": summaries[0]["bubble_theory"],
-            "param_bytes_per_device": {g.device: 4 * g.params for g in plan.groups},
-            "largest_stage_share": max(g.params for g in plan.groups) / total,
-            "plan": plan.table()}
-
-
-def unsplit_seconds(splits, initial, args) -> float:
-    keras.utils.set_random_seed(0)
-    model = gpt_tiny()
-    model.build((None, SEQ))
-    model.set_weights(initial)
-    trainer = Trainer(model, keras.optimizers.AdamW(1e-3), SmoothedSparseCrossentropy(), xla=False)
-    iterator = iter(data_lib.distribute_train(tf.distribute.get_strategy(), splits.train, BATCH))
-    return step_seconds(trainer, iterator, args.warmup, args.steps, args.repeats)
+        one()  # trace
+        summaries = [placement.timeline.summarize(one()[0].numpy()) for _ in range(repeats)]
+        placement.timeline.draw(one()[0].numpy(), png,
+                                title=f"gpt_tiny, {self.stages} stages, M={self.micro_batches}:")
+        return {"bubble": statistics.median(s["bubble"] for s in summaries),
+                "bubble_theory": summaries[0]["bubble_theory"],
+                "makespan_s": statistics.median(s["makespan_s"] for s in summaries),
+                "busy_s": statistics.median(s["busy_s"] for s in summaries)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--micro-batches", default="1,2,4,8")
     parser.add_argument("--stages", default="2,4")
+    parser.add_argument("--batch", type=int, default=256, help="global batch (sequences of 128)")
     args = parser.parse_args()
+    global BATCH
+    BATCH = args.batch
     os.makedirs(args.out, exist_ok=True)
     splits = data_lib.text_corpus(SEQ)
     keras.utils.set_random_seed(0)
@@ -126,20 +123,39 @@ def main() -> None:
     reference.build((None, SEQ))
     initial = reference.get_weights()
 
+    configs = [Config(splits, initial)] + [
+        Config(splits, initial, stages, m)
+        for stages in map(int, args.stages.split(",")) for m in map(int, args.micro_batches.split(","))]
+    for config in configs:  # trace and warm every setting first
+        config.run(args.warmup)
+        config.times.clear()
+    for round_ in range(args.repeats):  # then time them side by side, round after round
+        for config in configs:
+            config.run(args.steps)
+        print(f"round {round_}: " + ", ".join(f"S={c.stages} M={c.micro_batches} {c.times[-1] * 1000:.0f} ms"
+                                             for c in configs), flush=True)
+    baseline = statistics.median(configs[0].times)
     rows = []
-    baseline = unsplit_seconds(splits, initial, args)
-    print(f"unsplit, one device: {baseline * 1000:.1f} ms/step", flush=True)
-    for stages in map(int, args.stages.split(",")):
-        for m in map(int, args.micro_batches.split(",")):
-            row = measure(stages, m, splits, initial, args, args.out)
-            rows.append(row)
-            print(f"S={stages} M={m}: {row['step_s'] * 1000:.1f} ms/step, bubble {row['bubble']:.2f} "
-                  f"(theory {row['bubble_theory']:.2f}), largest stage {row['largest_stage_share']:.2f}",
-                  flush=True)
+    for config in configs[1:]:
+        plan = config.plan
+        total = sum(g.params for g in plan.groups)
+        row = {"stages": config.stages, "micro_batches": config.micro_batches,
+               "step_s": statistics.median(config.times), "step_s_rounds": config.times,
+               **config.record(args.repeats, os.path.join(
+                   args.out, f"pipeline_s{config.stages}_m{config.micro_batches}.png")),
+               "param_bytes_per_device": {g.device: 4 * g.params for g in plan.groups},
+               "largest_stage_share": max(g.params for g in plan.groups) / total,
+               "plan": plan.table()}
+        rows.append(row)
+        print(f"S={row['stages']} M={row['micro_batches']}: {row['step_s'] * 1000:.1f} ms/step, bubble "
+              f"{row['bubble']:.2f} (theory {row['bubble_theory']:.2f}), largest stage "
+              f"{row['largest_stage_share']:.2f}", flush=True)
     for row in rows:
         first = next(r for r in rows if r["stages"] == row["stages"] and r["micro_batches"] == 1)
         row["speedup_vs_m1"] = first["step_s"] / row["step_s"]
         row["speedup_vs_unsplit"] = baseline / row["step_s"]
+        # > 1: the same work took longer in total once stages overlapped (shared cores)
+        row["busy_vs_m1"] = row["busy_s"] / first["busy_s"]
     result = {"model": "gpt_tiny", "seq_len": SEQ, "global_batch": BATCH, "schedule": "gpipe",
               "threads": {"intra_op": 1, "inter_op": 4}, "logical_cpus": len(DEVICES),
               "physical_cores": os.cpu_count(), "unsplit_step_s": baseline, "runs": rows}

@@ -19,13 +19,15 @@ FORWARD, BACKWARD = "#4C72B0", "#DD8452"
 
 
 def summarize(timings: np.ndarray) -> dict:
-    """Stages, micro-batches, makespan (s), measured and theoretical bubble fraction."""
+    """Stages, micro-batches, makespan and busy stage-time (s), measured and theoretical
+    bubble fraction."""
     stage, micro = timings[:, 0].astype(int), timings[:, 1].astype(int)
     start, end = timings[:, 3] - timings[:, 3].min(), timings[:, 4] - timings[:, 3].min()
     stages, micro_batches = stage.max() + 1, micro.max() + 1
     makespan = float(end.max())
     busy = float(np.sum(end - start))
     return {"stages": int(stages), "micro_batches": int(micro_batches), "makespan_s": makespan,
+            "busy_s": busy,
             "bubble": 1.0 - busy / (stages * makespan) if makespan > 0 else 0.0,
             "bubble_theory": (stages - 1) / (micro_batches + stages - 1)}
 
