@@ -47,6 +47,7 @@ class Progress(keras.callbacks.Callback):
         self.log_every, self.units_per_step, self.unit = log_every, units_per_step, unit
         self.verbose, self.out = verbose, out or sys.stdout
         self.last = {}
+        self.offset = 0  # steps of this epoch done before a restart (see Shifted)
 
     def on_train_begin(self, logs=None):
         self._t0, self._start = time.perf_counter(), self.step
@@ -56,6 +57,9 @@ class Progress(keras.callbacks.Callback):
         self._epoch_start = epoch * self.steps_per_epoch
         self._mean_at, self._mean = 0, 0.0   # Keras logs the loss averaged since epoch start
 
+    def on_epoch_end(self, epoch, logs=None):
+        self.offset = 0
+
     def on_train_batch_end(self, batch, logs=None):
         # Keras reports the last batch index of each execution (steps_per_execution).
         self.step = self._epoch_start + batch + 1
@@ -64,7 +68,7 @@ class Progress(keras.callbacks.Callback):
 
     def _window_loss(self, epoch_mean: float) -> float:
         """Mean loss of the steps since the last report, from Keras's running epoch mean."""
-        done = self.step - self._epoch_start
+        done = self.step - self._epoch_start - self.offset  # the steps Keras's mean covers
         window = (epoch_mean * done - self._mean * self._mean_at) / max(done - self._mean_at, 1)
         self._mean_at, self._mean = done, epoch_mean
         return window
@@ -114,6 +118,34 @@ class Summaries(keras.callbacks.Callback):
         self.writer.flush()
 
 
+class StopOnNonFinite(keras.callbacks.Callback):
+    """Keras fit: raises NonFiniteError as soon as the logged loss is NaN or Inf, before
+    Checkpointing (later in the list) could save the broken state.
+
+    Keras's own TerminateOnNaN stops quietly; this names the step and the fix.
+    """
+
+    def __init__(self, steps_per_epoch: int):
+        super().__init__()
+        self.steps_per_epoch, self._epoch = steps_per_epoch, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        loss = (logs or {}).get("loss")
+        if loss is not None and not math.isfinite(float(loss)):
+            from tfpar.errors import NonFiniteError
+
+            step = self._epoch * self.steps_per_epoch + batch + 1
+            raise NonFiniteError(
+                f"Step {step} (or one of the steps_per_loop steps before it): the loss is "
+                f"{float(loss)}; training stopped before anything was saved, so the last checkpoint "
+                "is the last good state. Lower the learning rate, clip gradients "
+                "(optimizer.clip_norm), check the data, or train with --config.mode=loop "
+                "--config.train.nonfinite=skip.")
+
+
 class Checkpointing(keras.callbacks.Callback):
     """Saves a checkpoint at the end of every epoch (= every checkpoint_every steps)."""
 
@@ -126,3 +158,40 @@ class Checkpointing(keras.callbacks.Callback):
         path = self.checkpoints.save(step)
         if path:
             self.say(f"checkpoint: {path}")
+
+
+class Shifted(keras.callbacks.Callback):
+    """Runs `callback` in a fit call that finishes an epoch begun before a restart: this
+    call's epoch 0, batch b are the run's epoch `epoch`, batch `offset + b`.
+
+    Example:
+        >>> model.fit(data, epochs=1, steps_per_epoch=spe - offset,
+        ...           callbacks=[Shifted(c, epoch, offset) for c in callbacks])
+    """
+
+    def __init__(self, callback: keras.callbacks.Callback, epoch: int, offset: int):
+        super().__init__()
+        self.callback, self.epoch, self.offset = callback, epoch, offset
+
+    def set_model(self, model):
+        super().set_model(model)
+        self.callback.set_model(model)
+
+    def on_train_begin(self, logs=None):
+        if hasattr(self.callback, "offset"):
+            self.callback.offset = self.offset
+        self.callback.on_train_begin(logs)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.callback.on_epoch_begin(self.epoch, logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.callback.on_train_batch_end(self.offset + batch, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.callback.on_epoch_end(self.epoch, logs)
+
+    def on_train_end(self, logs=None):
+        self.callback.on_train_end(logs)
+        if hasattr(self.callback, "offset"):
+            self.callback.offset = 0

@@ -2,7 +2,11 @@
 
 Under a multi-worker strategy every worker must call `save` (variables may need a
 collective), but only the chief writes to the real directory; the others write to a
-temporary one that is removed straight away. Restore reads the newest checkpoint.
+temporary one that is removed straight away. Restore reads the newest checkpoint, after
+checking that it was written by the same model: the chief writes the model's fingerprint
+(class, every variable's path and shape) to checkpoints/model.json beside the first
+checkpoint, and a checkpoint from another model or config is refused by name
+(CheckpointMismatchError), not half-restored.
 
 Example:
     >>> checkpoints = Checkpoints(workdir, is_chief, model=model, optimizer=optimizer)
@@ -12,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -19,13 +24,45 @@ import tempfile
 import tensorflow as tf
 from absl import logging
 
+from tfpar.errors import CheckpointMismatchError
+
+
+def fingerprint(model) -> dict:
+    """What must match for a checkpoint to restore into `model`: its class and the shape of
+    every weight, in order (paths are kept for messages only: Keras numbers unnamed layers
+    per process, so they are not compared)."""
+    return {"class": type(model).__name__,
+            "weights": [[v.path, [int(d) for d in v.shape]] for v in model.weights]}
+
+
+def _differences(saved: dict, current: dict, limit: int = 3) -> list[str]:
+    found = []
+    if saved.get("class") != current["class"]:
+        found.append(f"model {saved.get('class')}, now {current['class']}")
+    old, new = saved.get("weights", []), current["weights"]
+    if len(old) != len(new):
+        found.append(f"{len(old)} weights, now {len(new)}")
+    for (_, old_shape), (path, new_shape) in zip(old, new):
+        if old_shape != new_shape:
+            found.append(f"{path}: {old_shape}, now {new_shape}")
+    return found[:limit] + ([f"... {len(found) - limit} more"] if len(found) > limit else [])
+
 
 class Checkpoints:
     def __init__(self, workdir: str, is_chief: bool, max_to_keep: int = 3, **objects):
         self.is_chief = is_chief
         self.directory = os.path.join(workdir, "checkpoints")
+        if "model" in objects:
+            # Keras 3 on TensorFlow gives tf.train.Checkpoint only the layers held directly in
+            # attributes: layers in lists (a StagedModel's blocks, a Sequential's layers) are
+            # left out, and were saved only through the optimizer's slot references, so
+            # non-trainable state was lost. Every weight is named here, in model order.
+            objects["model_weights"] = tf.train.Checkpoint(
+                **{f"w{i}": v.value for i, v in enumerate(objects["model"].weights)})
         self.checkpoint = tf.train.Checkpoint(**objects)
         self.manager = tf.train.CheckpointManager(self.checkpoint, self.directory, max_to_keep)
+        self.fingerprint = fingerprint(objects["model"]) if "model" in objects else None
+        self._fingerprint_path = os.path.join(self.directory, "model.json")
 
     @property
     def latest(self) -> str | None:
@@ -36,14 +73,36 @@ class Checkpoints:
         latest = self.latest
         if latest is None:
             return 0
-        self.checkpoint.restore(latest).expect_partial()
+        self._check_fingerprint(latest)
+        try:
+            self.checkpoint.restore(latest).expect_partial()
+        except (ValueError, tf.errors.OpError) as e:  # e.g. a shape that changed
+            raise CheckpointMismatchError(
+                f"{latest} does not restore into this model ({str(e).splitlines()[0][:200]}). "
+                "Use a fresh --workdir, or the config that wrote it.") from None
         step = int(latest.rsplit("-", 1)[-1])
         logging.info("tfpar: resumed from %s (step %d).", latest, step)
         return step
 
+    def _check_fingerprint(self, latest: str) -> None:
+        if self.fingerprint is None or not os.path.exists(self._fingerprint_path):
+            return
+        with open(self._fingerprint_path, encoding="utf-8") as f:
+            saved = json.load(f)
+        differences = _differences(saved, self.fingerprint)
+        if differences:
+            raise CheckpointMismatchError(
+                f"{latest} was written by another model ({'; '.join(differences)}). Use a fresh "
+                "--workdir for this model, or the config that wrote the checkpoint.")
+
     def save(self, step: int) -> str | None:
         if self.is_chief:
-            return self.manager.save(checkpoint_number=step)
+            path = self.manager.save(checkpoint_number=step)
+            if self.fingerprint is not None and not os.path.exists(self._fingerprint_path):
+                with open(self._fingerprint_path + ".tmp", "w", encoding="utf-8") as f:
+                    json.dump(self.fingerprint, f)
+                os.replace(self._fingerprint_path + ".tmp", self._fingerprint_path)
+            return path
         scratch = tempfile.mkdtemp(prefix="tfpar_ckpt_")
         try:
             tf.train.CheckpointManager(self.checkpoint, scratch, 1).save(checkpoint_number=step)

@@ -57,7 +57,8 @@ def base_config() -> ml_collections.ConfigDict:
         name="corpus", files="", seq_len=128, data_dir="", augment=False))
     c.train = ml_collections.ConfigDict(dict(
         steps=600, batch_size=32, steps_per_loop=10, log_every=50, checkpoint_every=200,
-        eval_batch_size=64, eval_examples=0, xla=True))
+        eval_batch_size=64, eval_examples=0, xla=True,
+        nonfinite="stop"))             # NaN/Inf gradients: stop (name the step) | skip (loop) | ignore
     c.optimizer = ml_collections.ConfigDict(dict(
         name="adamw", learning_rate=3e-3, warmup_steps=60, schedule="cosine", min_lr_ratio=0.1,
         weight_decay=0.01, momentum=0.9, beta_2=0.98, clip_norm=1.0, label_smoothing=0.0))
@@ -128,6 +129,11 @@ def validate(config) -> None:
              f"{t.checkpoint_every} must be a multiple of train.steps_per_loop ({t.steps_per_loop}).")
     _require(t.steps % t.checkpoint_every == 0, "train.steps",
              f"{t.steps} must be a multiple of train.checkpoint_every ({t.checkpoint_every}).")
+    _require(t.nonfinite in ("stop", "skip", "ignore"), "train.nonfinite",
+             f"{t.nonfinite!r} is not one of stop, skip, ignore.")
+    _require(not (t.nonfinite == "skip" and config.mode == "fit"), "train.nonfinite",
+             "skip needs tfpar's loop (Keras fit cannot skip one update): add --config.mode=loop, "
+             "or use stop.")
     _require(t.log_every % t.steps_per_loop == 0, "train.log_every",
              f"{t.log_every} must be a multiple of train.steps_per_loop ({t.steps_per_loop}).")
     o = config.optimizer

@@ -46,3 +46,11 @@ class UnsupportedStrategyError(TfparError, RuntimeError):
 
 class DataError(TfparError, ValueError):
     """A dataset that cannot feed the run (unknown name, too small, batch does not divide)."""
+
+
+class NonFiniteError(TfparError, FloatingPointError):
+    """The loss or the gradients became NaN or Inf; the message names the step."""
+
+
+class CheckpointMismatchError(TfparError, ValueError):
+    """A checkpoint that was written by another model (or another config of it)."""

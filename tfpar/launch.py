@@ -6,10 +6,14 @@
 Picks free ports on 127.0.0.1, gives each process its TF_CONFIG, prefixes every output
 line with its task (`[worker:1] ...`), pins CPUs when asked, stops the whole group with a
 non-zero exit as soon as any task fails (except a parameter-server worker: that one is
-restarted while training goes on), and passes Ctrl-C / SIGTERM on to every task.
+restarted while training goes on), and passes Ctrl-C / SIGTERM on to every task. With
+`--max-restarts K` a failed or preempted group (any task's non-zero exit, e.g. 75 after
+a preemption checkpoint) is started again, on fresh ports, up to K times: tfpar-train
+resumes from its newest checkpoint.
 
-Local runs bind to 127.0.0.1 only: TensorFlow's gRPC server authenticates nobody, so a
-cluster must only ever run on a network you trust.
+The cluster's addresses are 127.0.0.1, but TensorFlow's gRPC server listens on every
+interface of the machine (it binds 0.0.0.0) and authenticates nobody: run it only on a
+machine whose ports a firewall keeps from networks you do not trust.
 
 Example (Python):
     >>> from tfpar.launch import launch
@@ -88,8 +92,12 @@ def launch(
     env: dict | None = None,
     out: TextIO | None = None,
     max_worker_restarts: int = 3,
+    max_restarts: int = 0,
 ) -> int:
     """Runs `command` once per task of a local cluster; returns the group's exit code.
+
+    `max_restarts`: start the whole group again (fresh ports) after it failed, at most
+    this many times; each task sees TFPAR_LAUNCH_ATTEMPT=0, 1, ...
 
     0 when every chief/worker exits 0 (ps servers are then stopped); otherwise the
     exit code of the first task that failed, after the others are stopped. In a
@@ -101,19 +109,51 @@ def launch(
         raise SystemExit("tfpar-launch: no command given. Usage: tfpar-launch --workers 2 -- CMD ...")
     if workers < 1 and not chief:
         raise SystemExit("tfpar-launch: need at least one worker (--workers N) or --chief.")
+    if max_restarts < 0:
+        raise SystemExit("tfpar-launch: --max-restarts must be >= 0.")
     if ps and not chief:
         raise SystemExit(
             "tfpar-launch: --ps needs --chief: parameter-server training is driven by a chief "
             "(coordinator). Add --chief."
         )
     out = out or sys.stdout
+    lock = threading.Lock()
+    received: list[int] = []
+
+    def forward(signum, _frame):
+        received.append(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for attempt in range(max_restarts + 1):
+            code = _run_group(command, workers, ps, chief, cpus_per_worker, env, out, lock,
+                              received, max_worker_restarts, attempt)
+            if code == 0 or received or attempt == max_restarts:
+                return code
+            _say(out, lock, f"the group failed (exit code {code}); restarting it "
+                            f"({attempt + 1}/{max_restarts}) on fresh ports.")
+        return code
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _say(out: TextIO, lock: threading.Lock, message: str) -> None:
+    with lock:
+        out.write(f"[tfpar-launch] {message}\n")
+        out.flush()
+
+
+def _run_group(command, workers, ps, chief, cpus_per_worker, env, out, lock, received,
+               max_worker_restarts, attempt) -> int:
+    """Starts every task of a fresh local cluster and supervises it to the end."""
     cluster = cluster_spec(workers, ps, chief)
     order = [(job, i) for job in ("chief", "worker", "ps") for i in range(len(cluster.get(job, [])))]
     cpu_sets = _cpu_sets(len(order), cpus_per_worker)
-    lock = threading.Lock()
     pumps: list[threading.Thread] = []
     base_env = dict(os.environ if env is None else env)
     base_env.setdefault("PYTHONUNBUFFERED", "1")
+    base_env["TFPAR_LAUNCH_ATTEMPT"] = str(attempt)
 
     def spawn(job: str, index: int, cpus) -> _Task:
         task_env = dict(base_env)
@@ -125,6 +165,7 @@ def launch(
             preexec_fn=preexec,
         )
         task = _Task(job, index, process, cpus)
+        _say(out, lock, f"{task.name} started (pid {process.pid})")
         thread = threading.Thread(target=_pump, args=(process.stdout, f"[{task.name}]", out, lock),
                                   daemon=True)
         thread.start()
@@ -132,31 +173,19 @@ def launch(
         return task
 
     tasks = [spawn(job, index, cpus) for (job, index), cpus in zip(order, cpu_sets)]
-
     # Under a ps cluster only the chief finishes; workers and ps serve until stopped.
     drivers = [t for t in tasks if t.job == "chief"] if ps else [t for t in tasks if t.job != "ps"]
-    received: list[int] = []
-
-    def forward(signum, _frame):
-        received.append(signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         respawn = (lambda task: spawn(task.job, task.index, task.cpus)) if ps else None
-        code = _supervise(tasks, drivers, received, out, lock, respawn, max_worker_restarts)
+        return _supervise(tasks, drivers, received, out, lock, respawn, max_worker_restarts)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         for thread in pumps:
             thread.join(timeout=5)
-    return code
 
 
 def _supervise(tasks, drivers, received, out, lock, respawn, max_worker_restarts) -> int:
     def say(message: str) -> None:
-        with lock:
-            out.write(f"[tfpar-launch] {message}\n")
-            out.flush()
+        _say(out, lock, message)
 
     while True:
         if received:
@@ -224,6 +253,9 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--max-worker-restarts", type=int, default=3,
                         help="parameter-server clusters: restart a failed worker up to this many "
                              "times (default 3); training goes on meanwhile")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="restart the whole group up to this many times after a task fails "
+                             "or is preempted (default 0); tfpar-train resumes from its checkpoint")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     args = parser.parse_args(argv)
     if args.command and args.command[0] == "--":
@@ -238,7 +270,8 @@ def run(argv: Sequence[str] | None = None) -> None:
     args = _parse(sys.argv[1:] if argv is None else argv)
     sys.exit(launch(args.command, workers=args.workers, ps=args.ps, chief=args.chief,
                     cpus_per_worker=args.cpus_per_worker,
-                    max_worker_restarts=args.max_worker_restarts))
+                    max_worker_restarts=args.max_worker_restarts,
+                    max_restarts=args.max_restarts))
 
 
 if __name__ == "__main__":

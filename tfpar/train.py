@@ -8,7 +8,10 @@
 Writes to the workdir: TensorBoard summaries (tensorboard/), checkpoints (checkpoints/,
 by the chief only), results.json (final eval) and sample.txt (a generated text sample).
 Run it again with the same workdir and it resumes from the newest checkpoint, at the
-same step and data position.
+same step and data position. SIGTERM to any worker: every worker saves at the same step
+and exits with code 75 (tfpar.preemption); `tfpar-launch --max-restarts K` restarts the
+group, which resumes there. NaN/Inf gradients stop the run naming the step
+(config.train.nonfinite), before they could be checkpointed.
 """
 
 from __future__ import annotations
@@ -98,6 +101,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     import tfpar
     from tfpar import callbacks as cb
     from tfpar import data as data_lib
+    from tfpar import preemption
     from tfpar import recipes
     from tfpar.checkpoints import Checkpoints
     from tfpar.compression import compress_fit
@@ -107,6 +111,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
     strategy = _create_strategy(config)  # first: before anything touches TensorFlow
     info = tfpar.describe(strategy)
+    watch = None if info.kind == "parameter_server" else preemption.PreemptionWatch(strategy)
     say = _say if info.is_chief else (lambda message: None)
     say(f"tfpar: {info.kind}, {info.replicas} replica(s), {info.num_workers} worker(s); "
         f"workdir {workdir}")
@@ -136,7 +141,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
     trainer = None
     if config.mode == "loop":
         trainer = Trainer(model, optimizer, model.loss, strategy, steps_per_loop=t.steps_per_loop,
-                          compression=compression, xla=None if t.xla else False)
+                          compression=compression, nonfinite=t.nonfinite,
+                          xla=None if t.xla else False)
     state = compression.checkpoint_items() if compression is not None else {}
     checkpoints = Checkpoints(workdir, info.is_chief, model=model, optimizer=optimizer, **state)
     say(f"model: {model.name}, {model.count_params():,} parameters, stages: "
@@ -167,15 +173,26 @@ def train_and_evaluate(config, workdir: str) -> dict:
     progress = cb.Progress(t.steps, start, t.checkpoint_every, t.log_every, units, unit,
                            verbose=info.is_chief, wire=wire)
     callbacks = [progress, cb.Summaries(writer, progress), cb.Checkpointing(checkpoints, t.checkpoint_every, say)]
+    if watch is not None:  # before anything that could save or log a later step
+        callbacks.insert(0, preemption.SaveOnPreemption(watch, checkpoints, t.checkpoint_every, say))
+    if trainer is None and t.nonfinite == "stop":  # the loop checks its gradients itself
+        callbacks.insert(0, cb.StopOnNonFinite(t.checkpoint_every))
     started = time.perf_counter()
+    epoch, done_in_epoch = divmod(start, t.checkpoint_every)  # mid-epoch after a preemption
+    progress.offset = done_in_epoch
     if start < t.steps and trainer is not None:
         trainer.fit(train_data, t.steps, start_step=start, steps_per_epoch=t.checkpoint_every,
                     callbacks=callbacks)
     elif start < t.steps:
-        model.fit(
-            train_data, epochs=t.steps // t.checkpoint_every, initial_epoch=start // t.checkpoint_every,
-            steps_per_epoch=t.checkpoint_every, verbose=0, callbacks=callbacks,
-        )
+        if done_in_epoch:  # finish the epoch the preemption cut, then go on from its end
+            model.fit(train_data, epochs=1, steps_per_epoch=t.checkpoint_every - done_in_epoch,
+                      verbose=0, callbacks=[cb.Shifted(c, epoch, done_in_epoch) for c in callbacks])
+            epoch += 1
+            train_data = data_lib.distribute_train(strategy, splits.train, t.batch_size,
+                                                   start_step=epoch * t.checkpoint_every, augment=augment)
+        if epoch < t.steps // t.checkpoint_every:
+            model.fit(train_data, epochs=t.steps // t.checkpoint_every, initial_epoch=epoch,
+                      steps_per_epoch=t.checkpoint_every, verbose=0, callbacks=callbacks)
     train_seconds = time.perf_counter() - started
 
     # parameter_server: the chief evaluates on its own, reading the variables from the ps.

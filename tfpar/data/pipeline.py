@@ -57,6 +57,11 @@ def distribute_train(
 ):
     """An endless, distributed training dataset that starts at `start_step`."""
     per_replica = per_replica_batch_size(global_batch, strategy.num_replicas_in_sync)
+    if source.num_examples is not None and source.num_examples < global_batch:
+        raise DataError(
+            f"{source.name} has {source.num_examples} training examples, fewer than one global "
+            f"batch of {global_batch}: every batch would be dropped. Lower "
+            f"--config.train.batch_size (at most {source.num_examples}) or give more data.")
 
     def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
         dataset = source.build(choose_shard(source, context), training=True)

@@ -28,7 +28,7 @@ from tfpar import evaluate as evaluate_lib
 from tfpar.compression import accounting
 from tfpar.compression.aggregation import Compression
 from tfpar.compression.compressors import Compressor
-from tfpar.errors import TfparError
+from tfpar.errors import NonFiniteError, TfparError
 from tfpar.loop import parameter_server
 from tfpar.loop.aggregation import AllReduce, GradientAggregator, NoReduce
 from tfpar.placement import tpu as tpu_placement
@@ -36,6 +36,9 @@ from tfpar.placement import tpu as tpu_placement
 
 class TrainerError(TfparError, ValueError):
     """A Trainer option that cannot work with this model, optimizer or strategy."""
+
+
+NONFINITE_POLICIES = ("stop", "skip", "ignore")
 
 
 def _unpack(batch):
@@ -92,6 +95,11 @@ class Trainer:
         devices, micro-batch by micro-batch (XLA is then off: the pipeline spans devices).
         With a hybrid plan (`plan.replicate`) each replica runs its own pipeline under
         `plan.strategy` and the aggregator (compression too) syncs their gradients.
+      nonfinite: what a step whose summed gradients hold NaN or Inf does: "stop" (default:
+        `fit` raises NonFiniteError naming the step, after the call that met it, before any
+        callback could checkpoint it), "skip" (that step's update is not applied, as Keras's
+        LossScaleOptimizer skips; counted in `skipped_steps`) or "ignore". Under fp16 the
+        LossScaleOptimizer already skips such steps (that is how it finds its scale).
       xla: jit-compile forward + backward (default on). The compiled function is pure:
         it takes the variables' values as tensors (Keras `stateless_call`), which is what
         lets XLA run under MirroredStrategy too (a compiled function that captures mirrored
@@ -103,12 +111,17 @@ class Trainer:
                  steps_per_loop: int = 1, accumulate: int = 1,
                  aggregator: GradientAggregator | None = None,
                  compression: Compressor | Compression | None = None, placement=None,
-                 xla: bool | None = None):
+                 nonfinite: str = "stop", xla: bool | None = None):
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.strategy = strategy or tf.distribute.get_strategy()
         if steps_per_loop < 1 or accumulate < 1:
             raise TrainerError("steps_per_loop and accumulate must be >= 1.")
         self.steps_per_loop, self.accumulate = steps_per_loop, accumulate
+        if nonfinite not in NONFINITE_POLICIES:
+            raise TrainerError(f"nonfinite={nonfinite!r}: choose one of {', '.join(NONFINITE_POLICIES)}.")
+        scaled = hasattr(optimizer, "inner_optimizer")  # fp16: the loss scale skips by itself
+        self.nonfinite = "ignore" if scaled else nonfinite
+        self.skipped_steps = 0
         if compression is not None:
             if aggregator is not None:
                 raise TrainerError("Give aggregator or compression, not both.")
@@ -148,6 +161,12 @@ class Trainer:
                 0.0, trainable=False, name="loss_sum",
                 synchronization=tf.VariableSynchronization.ON_READ,
                 aggregation=tf.VariableAggregation.SUM)
+            # Per call: how many steps had non-finite gradients, and the first of them (from
+            # 1 within the call). The gradients are all-reduced first, so every replica sees
+            # the same; replica 0's copy is read.
+            self._bad_steps, self._first_bad = (None, None) if self._async else (tf.Variable(
+                0.0, trainable=False, name=name, synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA) for name in ("bad_steps", "first_bad"))
         self.step = 0  # the next optimizer step; fit sets it from start_step
         # Exact shapes (no reduce_retracing): a static batch keeps every gradient's size
         # static, which XLA wants and which lets the wire bytes be counted before running.
@@ -232,7 +251,7 @@ class Trainer:
             variable.assign(value)
         return loss, grads
 
-    def _replica_step(self, batches: Sequence):
+    def _replica_step(self, batches: Sequence, index=0):
         variables = self.model.trainable_variables
         total, summed = None, None
         for batch in batches:
@@ -246,10 +265,46 @@ class Trainer:
             # fp16: the gradients are still scaled by the loss scale; so is the limit.
             limit = self.clip_norm * self._loss_scale()
             summed, _ = tf.clip_by_global_norm(summed, limit)
-        self.optimizer.apply(summed, variables)
+        if self.nonfinite == "ignore" or self._async:
+            self.optimizer.apply(summed, variables)
+        else:
+            finite = tf.math.is_finite(tf.linalg.global_norm(summed))
+            self._note_nonfinite(finite, index)
+            if self.nonfinite == "skip":
+                self._apply_if(finite, summed, variables)
+            else:
+                self.optimizer.apply(summed, variables)
         if self._loss_sum is not None:
             self._loss_sum.assign_add(total)
         return total
+
+    def _note_nonfinite(self, finite, index) -> None:
+        bad = 1.0 - tf.cast(finite, tf.float32)
+        first = tf.where((self._first_bad == 0.0) & (bad > 0), tf.cast(index, tf.float32) + 1.0,
+                         self._first_bad)
+        self._first_bad.assign(first)
+        self._bad_steps.assign_add(bad)
+
+    def _apply_if(self, finite, grads, variables) -> None:
+        """optimizer.apply only when `finite` (the same on every replica). Keras's optimizer
+        merge_calls to the cross-replica context, which cannot happen inside a tf.cond branch
+        built in a replica context; so, as Keras's LossScaleOptimizer does, the cond runs in
+        the cross-replica context and calls back into every replica."""
+        apply = lambda: self.optimizer.apply(grads, variables)  # noqa: E731
+        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+            tf.cond(finite, lambda: (apply(), tf.constant(True))[1], lambda: tf.constant(False))
+            return
+
+        def cross_replica(strategy, finite, grads):
+            first = strategy.experimental_local_results(finite)[0]
+
+            def update():
+                strategy.extended.call_for_each_replica(
+                    lambda g: self.optimizer.apply(g, variables), args=(grads,))
+                return tf.constant(True)
+            tf.cond(first, update, lambda: tf.constant(False))
+
+        tf.distribute.get_replica_context().merge_call(cross_replica, args=(finite, grads))
 
     def _train_loop_fn(self, iterator, steps, phase=None):
         if hasattr(self.aggregator, "set_phase"):  # e.g. compression warm-up: its own trace
@@ -263,11 +318,15 @@ class Trainer:
             return total / tf.cast(steps, tf.float32)
         # Each replica adds its loss to its own copy; one cross-replica sum per call, so a
         # step's only collectives are the gradients' (see wire_bytes).
-        self.strategy.run(lambda: self._loss_sum.assign(0.0))  # each replica its own: no collective
-        for _ in tf.range(steps):
+        def reset():  # each replica its own copy: no collective
+            for variable in (self._loss_sum, self._bad_steps, self._first_bad):
+                variable.assign(0.0)
+        self.strategy.run(reset)
+        for index in tf.range(steps):
             batches = [next(iterator) for _ in range(self.accumulate)]
-            self.strategy.run(self._replica_step, args=(batches,))
-        return self._loss_sum.read_value() / tf.cast(steps, tf.float32)
+            self.strategy.run(self._replica_step, args=(batches, index))
+        return (self._loss_sum.read_value() / tf.cast(steps, tf.float32),
+                self._bad_steps.read_value(), self._first_bad.read_value())
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -283,7 +342,16 @@ class Trainer:
             loss = float(self._async.coordinator.schedule(
                 self._scheduled_loop, args=(iterator, tf.constant(steps))).fetch())
         else:
-            loss = float(self._train_loop(iterator, tf.constant(steps), self._phase(self.step)))
+            loss, bad, first = self._train_loop(iterator, tf.constant(steps), self._phase(self.step))
+            loss, bad = float(loss), int(bad)
+            if bad and self.nonfinite == "stop":
+                step = self.step + int(first)
+                raise NonFiniteError(
+                    f"Step {step}: the gradients (or the loss) are NaN or Inf; training stopped "
+                    f"before anything was saved, so the last checkpoint is the last good state. "
+                    "Lower the learning rate, clip gradients (optimizer.clip_norm / "
+                    "global_clipnorm), check the data, or use nonfinite='skip'.")
+            self.skipped_steps += bad
         self.step += steps
         return loss
 

@@ -1,0 +1,101 @@
+"""Fault scenarios: each injects one fault into a real run and reports what survived.
+
+Used by the tests in this folder (which assert on the outcome) and by `run_suite.py`
+(which prints the table). Every scenario returns a dict: fault, injected, survived,
+steps_lost, data_lost, detail.
+
+The multi-worker ones run `tfpar-launch --workers 2 --max-restarts 1 -- tfpar-train` on
+the reverse task (multi_worker_mirrored, loopback) and compare the final checkpoint with
+an uninterrupted run of the same config: equal weights mean the restart lost no step and
+no data (a batch skipped or seen twice would change them).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+TESTS = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(TESTS))
+
+import procs  # noqa: E402
+
+STEPS, EVERY, LOOP = 60, 20, 10
+
+
+def train_command(workdir: str, mode: str = "loop") -> list[str]:
+    return [sys.executable, "-m", "tfpar.train", f"--config={procs.REPO / 'configs' / 'reverse_tiny.py'}",
+            f"--workdir={workdir}", "--config.strategy=multi_worker_mirrored",
+            "--config.strategy_args.timeout_s=60", f"--config.mode={mode}",
+            f"--config.train.steps={STEPS}", f"--config.train.checkpoint_every={EVERY}",
+            f"--config.train.log_every={LOOP}", f"--config.train.steps_per_loop={LOOP}",
+            "--config.train.eval_examples=100", "--config.optimizer.schedule=constant"]
+
+
+def launch(workdir: str, mode: str, fault=None, timeout: float = 600) -> tuple[int, str]:
+    """Runs the two-worker job; `fault(pids, line)` is called on every output line and may
+    signal a worker. Returns (exit code, output)."""
+    command = [sys.executable, "-m", "tfpar.launch", "--workers", "2", "--max-restarts", "1", "--",
+               *train_command(workdir, mode)]
+    launcher = subprocess.Popen(command, env=procs.env(), cwd=procs.REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    pids, lines, deadline = {}, [], time.monotonic() + timeout
+    for line in launcher.stdout:
+        lines.append(line)
+        started = re.search(r"\[tfpar-launch\] (\w+:\d+) started \(pid (\d+)\)", line)
+        if started:
+            pids[started.group(1)] = int(started.group(2))
+        if fault is not None:
+            fault(pids, line)
+        if time.monotonic() > deadline:
+            launcher.kill()
+            break
+    return launcher.wait(), "".join(lines)
+
+
+def checkpoint(workdir: str) -> tuple[str, dict]:
+    import tensorflow as tf
+
+    path = tf.train.latest_checkpoint(os.path.join(workdir, "checkpoints"))
+    reader = tf.train.load_checkpoint(path)
+    names = [n for n in reader.get_variable_to_shape_map()
+             if "save_counter" not in n and not n.startswith("_CHECKPOINTABLE")]
+    return path, {n: reader.get_tensor(n) for n in names}
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(np.allclose(a[k], b[k], rtol=1e-6, atol=1e-7) for k in a)
+
+
+def kill_worker(tmp: str, sig: int, mode: str = "loop", reference: dict | None = None) -> dict:
+    """Sends `sig` to worker:1 once worker:0 has logged step 30 (between checkpoints)."""
+    sent = {}
+
+    def fault(pids, line):
+        if not sent and re.search(r"\[worker:0\] step 30/", line) and "worker:1" in pids:
+            os.kill(pids["worker:1"], sig)
+            sent["at"] = 30
+
+    code, output = launch(os.path.join(tmp, "faulty"), mode, fault)
+    if reference is None:
+        ref_code, ref_output = launch(os.path.join(tmp, "straight"), mode)
+        assert ref_code == 0, ref_output[-3000:]
+        reference = checkpoint(os.path.join(tmp, "straight"))[1]
+    resumed = re.search(r"resuming from step (\d+)", output)
+    path, weights = checkpoint(os.path.join(tmp, "faulty")) if code == 0 else (None, {})
+    resumed_at = int(resumed.group(1)) if resumed else None
+    survived = bool(code == 0 and sent and resumed and same_weights(weights, reference))
+    name = signal.Signals(sig).name
+    return {"fault": f"{name} to a worker ({mode} mode)", "injected": bool(sent),
+            "survived": survived,
+            "steps_lost": (sent.get("at", 0) - resumed_at) if resumed_at is not None else None,
+            "data_lost": 0 if survived else None,
+            "detail": f"exit {code}, resumed at step {resumed_at}, final {path}",
+            "output": output}

@@ -1,0 +1,38 @@
+"""Two workers, one signalled mid-run: the group restarts and ends where an unbroken run does.
+
+SIGTERM (preemption): every worker saves at the same step and exits 75; the launcher
+restarts the group, which resumes at that step. SIGKILL: the group stops, restarts, and
+resumes from the last periodic checkpoint. Either way the final weights equal an
+uninterrupted run's (same data, same order; CPU collectives are deterministic here).
+"""
+
+import signal
+
+import pytest
+
+import scenarios
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("straight")
+    code, output = scenarios.launch(str(workdir), "loop")
+    assert code == 0, output[-3000:]
+    return scenarios.checkpoint(str(workdir))[1]
+
+
+def test_sigterm_to_one_worker_saves_everywhere_and_resumes_at_that_step(tmp_path, reference):
+    result = scenarios.kill_worker(str(tmp_path), signal.SIGTERM, reference=reference)
+    output = result.pop("output")
+    assert "[worker:1] preempted: saved step" in output and "[worker:0] preempted: saved step" in output
+    assert "exited with code 75" in output and "restarting it (1/1)" in output
+    assert result["survived"], (result, output[-4000:])
+    assert result["steps_lost"] <= 0  # saved at (or after) the step it was signalled at
+
+
+def test_sigkill_of_one_worker_restarts_from_the_last_checkpoint(tmp_path, reference):
+    result = scenarios.kill_worker(str(tmp_path), signal.SIGKILL, reference=reference)
+    output = result.pop("output")
+    assert "exited with code -9" in output and "restarting it (1/1)" in output
+    assert result["survived"], (result, output[-4000:])
+    assert "resuming from step 20" in output  # the periodic checkpoint before step 30

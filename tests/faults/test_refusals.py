@@ -1,0 +1,59 @@
+"""Bad input met at start: each refused with one message that names the fix."""
+
+import keras
+import pytest
+import tensorflow as tf
+
+from tfpar import config as config_lib
+from tfpar.checkpoints import Checkpoints
+from tfpar.data import pipeline
+from tfpar.data.source import Source
+from tfpar.errors import CheckpointMismatchError, DataError
+from tfpar.models.gpt import GPT
+
+
+def gpt(dim):
+    return GPT(vocab_size=32, max_len=8, dim=dim, depth=1, heads=2)
+
+
+def save(workdir, model):
+    optimizer = keras.optimizers.Adam()
+    optimizer.build(model.trainable_variables)
+    Checkpoints(str(workdir), True, model=model, optimizer=optimizer).save(10)
+
+
+def test_a_checkpoint_from_another_model_is_refused_by_name(tmp_path):
+    save(tmp_path, gpt(32))
+    other = Checkpoints(str(tmp_path), True, model=gpt(64), optimizer=keras.optimizers.Adam())
+    with pytest.raises(CheckpointMismatchError, match=r"written by another model \(.*embeddings: \[32, 32\], now "
+                                                      r"\[32, 64\].*Use a fresh --workdir"):
+        other.restore()
+    same = Checkpoints(str(tmp_path), True, model=gpt(32), optimizer=keras.optimizers.Adam())
+    assert same.restore() == 10  # the same model (a second instance) restores
+
+
+def test_a_checkpoint_without_fingerprint_still_fails_clearly(tmp_path):
+    save(tmp_path, gpt(32))
+    (tmp_path / "checkpoints" / "model.json").unlink()  # e.g. written before fingerprints
+    other = Checkpoints(str(tmp_path), True, model=gpt(64))
+    with pytest.raises(CheckpointMismatchError, match="does not restore into this model"):
+        other.restore()
+
+
+def test_a_dataset_smaller_than_one_global_batch_is_refused():
+    tiny = Source("tiny", lambda shard, training: tf.data.Dataset.range(10), num_examples=10)
+    with pytest.raises(DataError, match="tiny has 10 training examples, fewer than one global batch "
+                                        "of 16.*batch_size \\(at most 10\\)"):
+        pipeline.distribute_train(tf.distribute.get_strategy(), tiny, 16)
+
+
+def test_nonfinite_policy_keys():
+    config = config_lib.base_config()
+    config.train.nonfinite = "skip"  # fit mode
+    with pytest.raises(config_lib.ConfigError, match="config.train.nonfinite: skip needs tfpar's loop"):
+        config_lib.validate(config)
+    config.mode = "loop"
+    config_lib.validate(config)
+    config.train.nonfinite = "halt"
+    with pytest.raises(config_lib.ConfigError, match="'halt' is not one of stop, skip, ignore"):
+        config_lib.validate(config)
