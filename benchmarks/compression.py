@@ -42,7 +42,6 @@ import math
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys

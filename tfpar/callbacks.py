@@ -32,7 +32,8 @@ def _size(count: float) -> str:
 
 def current_learning_rate(optimizer) -> float:
     lr = optimizer.learning_rate
-    return float(lr(optimizer.iterations) if callable(lr) else lr)
+    value = lr(optimizer.iterations) if callable(lr) else lr
+    return float(tf.convert_to_tensor(value))  # a Keras variable may hold a MirroredVariable
 
 
 class Progress(keras.callbacks.Callback):

@@ -24,7 +24,7 @@ import tempfile
 import tensorflow as tf
 from absl import logging
 
-from tfpar.errors import CheckpointMismatchError
+from tfpar.errors import CheckpointMismatchError, WorkdirError
 
 
 def fingerprint(model) -> dict:
@@ -96,6 +96,18 @@ class Checkpoints:
                 "--workdir for this model, or the config that wrote the checkpoint.")
 
     def save(self, step: int) -> str | None:
+        """Writes checkpoint `step` (the chief keeps it); a full or read-only disk raises
+        WorkdirError naming the directory, and leaves the previous checkpoint as it was."""
+        try:
+            return self._save(step)
+        except (OSError, tf.errors.OpError) as e:
+            reason = getattr(e, "strerror", None) or str(getattr(e, "message", e)).splitlines()[0][:200]
+            raise WorkdirError(
+                f"Could not write checkpoint {step} to {self.directory} ({reason}). Free some space "
+                f"or use another --workdir; the previous checkpoint ({self.latest}) is intact, and "
+                "the run resumes from it.") from None
+
+    def _save(self, step: int) -> str | None:
         if self.is_chief:
             path = self.manager.save(checkpoint_number=step)
             if self.fingerprint is not None and not os.path.exists(self._fingerprint_path):

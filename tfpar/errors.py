@@ -54,3 +54,7 @@ class NonFiniteError(TfparError, FloatingPointError):
 
 class CheckpointMismatchError(TfparError, ValueError):
     """A checkpoint that was written by another model (or another config of it)."""
+
+
+class WorkdirError(TfparError, OSError):
+    """The workdir cannot take what the run writes (read-only, full)."""

@@ -174,7 +174,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
                            verbose=info.is_chief, wire=wire)
     callbacks = [progress, cb.Summaries(writer, progress), cb.Checkpointing(checkpoints, t.checkpoint_every, say)]
     if watch is not None:  # before anything that could save or log a later step
-        callbacks.insert(0, preemption.SaveOnPreemption(watch, checkpoints, t.checkpoint_every, say))
+        callbacks.insert(0, preemption.SaveOnPreemption(watch, checkpoints, t.checkpoint_every, _say))
     if trainer is None and t.nonfinite == "stop":  # the loop checks its gradients itself
         callbacks.insert(0, cb.StopOnNonFinite(t.checkpoint_every))
     started = time.perf_counter()

@@ -88,6 +88,9 @@ def kill_worker(tmp: str, sig: int, mode: str = "loop", reference: dict | None =
         ref_code, ref_output = launch(os.path.join(tmp, "straight"), mode)
         assert ref_code == 0, ref_output[-3000:]
         reference = checkpoint(os.path.join(tmp, "straight"))[1]
+    before = output.split("restarting it")[0]  # what the first group did before it stopped
+    trained = [int(n) for n in re.findall(r"\[worker:0\] step (\d+)/", before)]
+    trained += [int(n) for n in re.findall(r"preempted: saved step (\d+)", before)]
     resumed = re.search(r"resuming from step (\d+)", output)
     path, weights = checkpoint(os.path.join(tmp, "faulty")) if code == 0 else (None, {})
     resumed_at = int(resumed.group(1)) if resumed else None
@@ -95,7 +98,7 @@ def kill_worker(tmp: str, sig: int, mode: str = "loop", reference: dict | None =
     name = signal.Signals(sig).name
     return {"fault": f"{name} to a worker ({mode} mode)", "injected": bool(sent),
             "survived": survived,
-            "steps_lost": (sent.get("at", 0) - resumed_at) if resumed_at is not None else None,
+            "steps_lost": (max(trained) - resumed_at) if resumed_at is not None and trained else None,
             "data_lost": 0 if survived else None,
             "detail": f"exit {code}, resumed at step {resumed_at}, final {path}",
             "output": output}

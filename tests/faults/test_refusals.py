@@ -57,3 +57,40 @@ def test_nonfinite_policy_keys():
     config.train.nonfinite = "halt"
     with pytest.raises(config_lib.ConfigError, match="'halt' is not one of stop, skip, ignore"):
         config_lib.validate(config)
+
+
+def test_a_full_disk_is_refused_by_name_and_the_previous_checkpoint_restores(tmp_path):
+    import subprocess
+
+    from tfpar.errors import WorkdirError
+
+    disk = tmp_path / "small_disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(disk)],
+                      capture_output=True).returncode:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        model = gpt(32)
+        checkpoints = Checkpoints(str(disk), True, model=model)
+        checkpoints.save(10)
+        with open(disk / "filler", "wb", buffering=0) as f:  # the disk fills up (logs, ...)
+            try:
+                while True:
+                    f.write(b"\0" * 4096)
+            except OSError:
+                pass
+        with pytest.raises(WorkdirError, match=r"Could not write checkpoint 20 to .*small_disk/checkpoints "
+                                               r"\(.*\)\. Free some space or use another --workdir; the "
+                                               r"previous checkpoint \(.*ckpt-10\) is intact"):
+            checkpoints.save(20)
+        (disk / "filler").unlink()
+        assert Checkpoints(str(disk), True, model=gpt(32)).restore() == 10
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_a_saved_model_with_code_in_it_is_refused_by_keras_safe_mode(tmp_path):
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Lambda(lambda x: x * 2)])
+    model.save(tmp_path / "lambda.keras")
+    with pytest.raises(ValueError, match="safe_mode"):
+        keras.models.load_model(tmp_path / "lambda.keras")
