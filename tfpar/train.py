@@ -255,6 +255,26 @@ def main(argv) -> None:
         logging.error("%s", e)
         print(f"tfpar-train: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except Exception as e:  # noqa: BLE001  (only a lost peer is turned into a message)
+        lost = _lost_peer(e)
+        if lost is None:
+            raise
+        print(f"tfpar-train: a peer of this worker stopped answering ({lost}). This worker stops "
+              "too. Restart the whole group (tfpar-launch --max-restarts K does it for you): the "
+              "run resumes from its newest checkpoint in --workdir.", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def _lost_peer(error: Exception) -> str | None:
+    """The one telling line of a collective that failed because a peer died, else None."""
+    import tensorflow as tf
+
+    if not isinstance(error, (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
+                              tf.errors.AbortedError)):
+        return None
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    telling = [line for line in lines if "aborted by" in line or "deadline" in line.lower()]
+    return (telling or lines or [type(error).__name__])[0][:300]
 
 
 def _parse_flags(argv: list[str]) -> list[str]:

@@ -102,3 +102,38 @@ def kill_worker(tmp: str, sig: int, mode: str = "loop", reference: dict | None =
             "data_lost": 0 if survived else None,
             "detail": f"exit {code}, resumed at step {resumed_at}, final {path}",
             "output": output}
+
+
+def orphaned_worker(tmp: str, timeout_s: int = 10) -> dict:
+    """Two workers started by hand (no launcher to stop the group): worker:1 is SIGKILLed
+    at step 30; worker:0 must fail on its next collective, quickly, with one clear line."""
+    import json
+
+    from tfpar.launch import cluster_spec
+
+    cluster = cluster_spec(2)
+    command = [c for c in train_command(os.path.join(tmp, "orphan"), "loop")
+               if not c.startswith(("--config.strategy_args.timeout_s=", "--config.train.steps="))]
+    command += [f"--config.strategy_args.timeout_s={timeout_s}", "--config.train.steps=400",
+                "--config.train.checkpoint_every=200"]
+    workers = [subprocess.Popen(command, env=procs.env(TF_CONFIG=json.dumps(
+        {"cluster": cluster, "task": {"type": "worker", "index": i}})), cwd=procs.REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    seen = False
+    while not seen:
+        line = workers[0].stdout.readline()
+        if not line:
+            break
+        seen = bool(re.search(r"step\s+30/", line))
+    workers[1].kill()
+    killed = time.monotonic()
+    try:
+        rest, _ = workers[0].communicate(timeout=timeout_s + 60)
+        waited = time.monotonic() - killed
+    except subprocess.TimeoutExpired:
+        workers[0].kill()
+        rest, waited = workers[0].communicate()[0], None
+    workers[1].wait()
+    return {"fault": "SIGKILL of a worker, no launcher", "injected": seen,
+            "survived": waited is not None and workers[0].returncode != 0,
+            "seconds_to_fail": waited, "output": rest}

@@ -37,3 +37,12 @@ def test_sigkill_of_one_worker_restarts_from_the_last_checkpoint(tmp_path, refer
     assert result["survived"], (result, output[-4000:])
     assert "resuming from step 20" in output  # the periodic checkpoint before step 30
     assert result["steps_lost"] >= 10  # trained past 30, redone from 20
+
+
+def test_the_peer_of_a_killed_worker_fails_fast_with_one_clear_line(tmp_path):
+    result = scenarios.orphaned_worker(str(tmp_path), timeout_s=10)
+    output = result["output"]
+    assert result["injected"] and result["seconds_to_fail"] is not None, output[-3000:]
+    assert result["seconds_to_fail"] < 40  # never a hang: within the collective timeout + start-up
+    assert "tfpar-train: a peer of this worker stopped answering (" in output
+    assert "tfpar-launch --max-restarts K" in output and "Traceback" not in output
