@@ -49,8 +49,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         code, output = scenarios.launch(f"{tmp}/straight", "loop")
         reference = scenarios.checkpoint(f"{tmp}/straight")[1] if code == 0 else {}
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            result = scenarios.kill_worker(f"{tmp}/{sig.name}", sig, reference=reference)
+        for sig, at in ((signal.SIGTERM, 20), (signal.SIGKILL, 30)):
+            result = scenarios.kill_worker(f"{tmp}/{sig.name}", sig, reference=reference, at=at)
             rows.append((result["fault"], "yes" if result["injected"] else "no",
                          "yes" if result["survived"] else "NO", str(result["steps_lost"]),
                          str(result["data_lost"]), result["detail"]))

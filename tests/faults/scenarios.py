@@ -74,14 +74,17 @@ def same_weights(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(np.allclose(a[k], b[k], rtol=1e-6, atol=1e-7) for k in a)
 
 
-def kill_worker(tmp: str, sig: int, mode: str = "loop", reference: dict | None = None) -> dict:
-    """Sends `sig` to worker:1 once worker:0 has logged step 30 (between checkpoints)."""
+def kill_worker(tmp: str, sig: int, mode: str = "loop", reference: dict | None = None,
+                at: int = 30) -> dict:
+    """Sends `sig` to worker:1 once worker:0 has logged step `at`. Checkpoints are every 20
+    steps and the workers check for preemption every 10, so SIGTERM after step 20 saves at
+    step 30, in the middle of an epoch."""
     sent = {}
 
     def fault(pids, line):
-        if not sent and re.search(r"\[worker:0\] step 30/", line) and "worker:1" in pids:
+        if not sent and re.search(rf"\[worker:0\] step {at}/", line) and "worker:1" in pids:
             os.kill(pids["worker:1"], sig)
-            sent["at"] = 30
+            sent["at"] = at
 
     code, output = launch(os.path.join(tmp, "faulty"), mode, fault)
     if reference is None:

@@ -22,12 +22,12 @@ def reference(tmp_path_factory):
 
 
 def test_sigterm_to_one_worker_saves_everywhere_and_resumes_at_that_step(tmp_path, reference):
-    result = scenarios.kill_worker(str(tmp_path), signal.SIGTERM, reference=reference)
+    result = scenarios.kill_worker(str(tmp_path), signal.SIGTERM, reference=reference, at=20)
     output = result.pop("output")
     assert "[worker:1] preempted: saved step" in output and "[worker:0] preempted: saved step" in output
     assert "exited with code 75" in output and "restarting it (1/1)" in output
     assert result["survived"], (result, output[-4000:])
-    assert result["steps_lost"] == 0  # saved where it stopped
+    assert result["steps_lost"] == 0 and "resuming from step 30" in output  # mid-epoch
 
 
 def test_sigkill_of_one_worker_restarts_from_the_last_checkpoint(tmp_path, reference):
@@ -46,3 +46,12 @@ def test_the_peer_of_a_killed_worker_fails_fast_with_one_clear_line(tmp_path):
     assert result["seconds_to_fail"] < 40  # never a hang: within the collective timeout + start-up
     assert "tfpar-train: a peer of this worker stopped answering (" in output
     assert "tfpar-launch --max-restarts K" in output and "Traceback" not in output
+
+
+def test_sigterm_in_fit_mode_resumes_mid_epoch_at_that_step(tmp_path):
+    """Keras fit cannot start mid-epoch: the restarted run finishes the cut epoch in its own
+    fit call (data from the saved step on), then goes on; the end equals an unbroken fit run."""
+    result = scenarios.kill_worker(str(tmp_path), signal.SIGTERM, mode="fit", at=20)
+    output = result.pop("output")
+    assert "preempted: saved step 30" in output and "resuming from step 30" in output
+    assert result["survived"] and result["steps_lost"] == 0, (result, output[-4000:])
