@@ -1,5 +1,6 @@
 """Keras 3 transformers built from shared blocks; each exposes its ordered stages."""
 
+from tfpar.models.chain import Chain, NotAChainError, chain_layers
 from tfpar.models.encoder import EncoderClassifier
 from tfpar.models.gpt import GPT
 from tfpar.models.staged import Stage, StagedModel
@@ -7,4 +8,4 @@ from tfpar.models.vit import ViT
 
 MODELS = {"gpt": GPT, "encoder": EncoderClassifier, "vit": ViT}
 
-__all__ = ["EncoderClassifier", "GPT", "MODELS", "Stage", "StagedModel", "ViT"]
+__all__ = ["Chain", "EncoderClassifier", "NotAChainError", "chain_layers", "GPT", "MODELS", "Stage", "StagedModel", "ViT"]

@@ -167,7 +167,8 @@ def stage_params(model) -> list[tuple[str, int]]:
     """(name, parameter count) of every stage of a StagedModel, in order."""
     if not hasattr(model, "stages"):
         raise PlacementError(f"{type(model).__name__} has no stages(); use a tfpar StagedModel "
-                             "(GPT, EncoderClassifier, ViT) or tfpar.placement.sequential_stages.")
+                             "(GPT, EncoderClassifier, ViT), or tfpar.models.Chain.from_keras(model) for a "
+                             "Sequential or chain-shaped functional model.")
     return [(name, int(sum(math.prod(v.shape) for v in layer.weights)))
             for name, layer in model.stages()]
 
