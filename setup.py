@@ -21,7 +21,7 @@ setup(
         "tensorboard",
     ],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout"],
+        "test": ["pytest>=7", "pytest-timeout", "nbclient", "nbformat", "ipykernel"],  # notebooks run in the tests
     },
     entry_points={
         "console_scripts": [
