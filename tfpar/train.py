@@ -125,6 +125,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
                           "does not support it, keras#18624). Add --config.mode=loop.")
     t = config.train
     data_lib.per_replica_batch_size(t.batch_size, info.replicas)
+    if not asynchronous:  # checked now, not after training (the ps chief evaluates alone)
+        data_lib.per_replica_batch_size(t.eval_batch_size, info.replicas)
     splits = data_lib.load(config.data.name, seq_len=config.data.seq_len, files=config.data.files or None,
                            data_dir=config.data.data_dir or None, seed=config.seed)
     with strategy.scope():

@@ -5,7 +5,7 @@ A StagedModel (tfpar.models) is a chain of named stages (`embed`, `blocks.0.attn
 Plans are written by hand or balanced by parameter count, FLOPs or measured time (see
 tfpar.placement.costs), and printed as a table before training. `plan.replicate(devices)`
 makes a hybrid plan: R data-parallel copies of the pipeline, replica r on its own S devices,
-trained under `plan.strategy()` (a MirroredStrategy, one replica per pipeline).
+trained under `plan.strategy` (a MirroredStrategy, one replica per pipeline).
 
 Example:
     >>> plan = manual(model, {"embed,blocks.0.attn-blocks.0.mlp": "/cpu:0",
