@@ -54,6 +54,12 @@ def main() -> None:
             rows.append((result["fault"], "yes" if result["injected"] else "no",
                          "yes" if result["survived"] else "NO", str(result["steps_lost"]),
                          str(result["data_lost"]), result["detail"]))
+        orphan = scenarios.orphaned_worker(tmp)
+        seconds = orphan["seconds_to_fail"]
+        rows.append((orphan["fault"], "yes" if orphan["injected"] else "no",
+                     "yes (failed fast, no hang)" if orphan["survived"] else "NO",
+                     "n/a (restart the group)", "0",
+                     f"the peer exited {seconds:.1f} s after the kill" if seconds else "hung"))
     tests = list(IN_PROCESS)
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *tests],
                          cwd=HERE.parents[1], capture_output=True, text=True)
