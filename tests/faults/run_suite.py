@@ -49,7 +49,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         code, output = scenarios.launch(f"{tmp}/straight", "loop")
         reference = scenarios.checkpoint(f"{tmp}/straight")[1] if code == 0 else {}
-        for sig, at in ((signal.SIGTERM, 20), (signal.SIGKILL, 30)):
+        for sig, at in ((signal.SIGTERM, 20), (signal.SIGKILL, 30)):  # same checkpoints as the reference
             result = scenarios.kill_worker(f"{tmp}/{sig.name}", sig, reference=reference, at=at)
             rows.append((result["fault"], "yes" if result["injected"] else "no",
                          "yes" if result["survived"] else "NO", str(result["steps_lost"]),

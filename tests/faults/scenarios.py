@@ -30,20 +30,21 @@ import procs  # noqa: E402
 STEPS, EVERY, LOOP = 60, 20, 10
 
 
-def train_command(workdir: str, mode: str = "loop") -> list[str]:
+def train_command(workdir: str, mode: str = "loop", every: int = EVERY) -> list[str]:
     return [sys.executable, "-m", "tfpar.train", f"--config={procs.REPO / 'configs' / 'reverse_tiny.py'}",
             f"--workdir={workdir}", "--config.strategy=multi_worker_mirrored",
             "--config.strategy_args.timeout_s=60", f"--config.mode={mode}",
-            f"--config.train.steps={STEPS}", f"--config.train.checkpoint_every={EVERY}",
+            f"--config.train.steps={STEPS}", f"--config.train.checkpoint_every={every}",
             f"--config.train.log_every={LOOP}", f"--config.train.steps_per_loop={LOOP}",
             "--config.train.eval_examples=100", "--config.optimizer.schedule=constant"]
 
 
-def launch(workdir: str, mode: str, fault=None, timeout: float = 600) -> tuple[int, str]:
+def launch(workdir: str, mode: str, fault=None, timeout: float = 600,
+           every: int = EVERY) -> tuple[int, str]:
     """Runs the two-worker job; `fault(pids, line)` is called on every output line and may
     signal a worker. Returns (exit code, output)."""
     command = [sys.executable, "-m", "tfpar.launch", "--workers", "2", "--max-restarts", "1", "--",
-               *train_command(workdir, mode)]
+               *train_command(workdir, mode, every)]
     launcher = subprocess.Popen(command, env=procs.env(), cwd=procs.REPO, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
     pids, lines, deadline = {}, [], time.monotonic() + timeout
@@ -75,10 +76,11 @@ def same_weights(a: dict, b: dict) -> bool:
 
 
 def kill_worker(tmp: str, sig: int, mode: str = "loop", reference: dict | None = None,
-                at: int = 30) -> dict:
-    """Sends `sig` to worker:1 once worker:0 has logged step `at`. Checkpoints are every 20
-    steps and the workers check for preemption every 10, so SIGTERM after step 20 saves at
-    step 30, in the middle of an epoch."""
+                at: int = 30, every: int = EVERY) -> dict:
+    """Sends `sig` to worker:1 once worker:0 has logged step `at` (the signal lands a call or
+    two later: the output reaches the test through pipes). Checkpoints every `every` steps;
+    the workers check for preemption every 10. `reference`: the final weights of an
+    uninterrupted run with the same settings (run here when None)."""
     sent = {}
 
     def fault(pids, line):
@@ -86,9 +88,9 @@ def kill_worker(tmp: str, sig: int, mode: str = "loop", reference: dict | None =
             os.kill(pids["worker:1"], sig)
             sent["at"] = at
 
-    code, output = launch(os.path.join(tmp, "faulty"), mode, fault)
+    code, output = launch(os.path.join(tmp, "faulty"), mode, fault, every=every)
     if reference is None:
-        ref_code, ref_output = launch(os.path.join(tmp, "straight"), mode)
+        ref_code, ref_output = launch(os.path.join(tmp, "straight"), mode, every=every)
         assert ref_code == 0, ref_output[-3000:]
         reference = checkpoint(os.path.join(tmp, "straight"))[1]
     before = output.split("restarting it")[0]  # what the first group did before it stopped
@@ -98,12 +100,14 @@ def kill_worker(tmp: str, sig: int, mode: str = "loop", reference: dict | None =
     path, weights = checkpoint(os.path.join(tmp, "faulty")) if code == 0 else (None, {})
     resumed_at = int(resumed.group(1)) if resumed else None
     survived = bool(code == 0 and sent and resumed and same_weights(weights, reference))
+    saved = re.search(r"preempted: saved step (\d+)", before)
     name = signal.Signals(sig).name
     return {"fault": f"{name} to a worker ({mode} mode)", "injected": bool(sent),
             "survived": survived,
             "steps_lost": (max(trained) - resumed_at) if resumed_at is not None and trained else None,
             "data_lost": 0 if survived else None,
             "detail": f"exit {code}, resumed at step {resumed_at}, final {path}",
+            "saved_at": int(saved.group(1)) if saved else None, "resumed_at": resumed_at,
             "output": output}
 
 
