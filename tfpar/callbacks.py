@@ -48,7 +48,7 @@ class Progress(keras.callbacks.Callback):
         self.log_every, self.units_per_step, self.unit = log_every, units_per_step, unit
         self.verbose, self.out = verbose, out or sys.stdout
         self.last = {}
-        self.offset = 0  # steps of this epoch done before a restart (see Shifted)
+        self.offset = 0  # steps of this epoch done before a restart (set by train.py, until epoch end)
 
     def on_train_begin(self, logs=None):
         self._t0, self._start = time.perf_counter(), self.step
@@ -119,12 +119,8 @@ class Summaries(keras.callbacks.Callback):
         self.writer.flush()
 
 
-class StopOnNonFinite(keras.callbacks.Callback):
-    """Keras fit: raises NonFiniteError as soon as the logged loss is NaN or Inf, before
-    Checkpointing (later in the list) could save the broken state.
-
-    Keras's own TerminateOnNaN stops quietly; this names the step and the fix.
-    """
+class StepCallback(keras.callbacks.Callback):
+    """Base: knows the run's step at each batch end (epoch * steps_per_epoch + batch + 1)."""
 
     def __init__(self, steps_per_epoch: int):
         super().__init__()
@@ -133,18 +129,26 @@ class StopOnNonFinite(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
 
+    def step(self, batch: int) -> int:
+        return self._epoch * self.steps_per_epoch + batch + 1
+
+
+class StopOnNonFinite(StepCallback):
+    """Keras fit: raises NonFiniteError as soon as the logged loss is NaN or Inf, before
+    Checkpointing (later in the list) could save the broken state.
+
+    Keras's own TerminateOnNaN stops quietly; this names the step and the fix.
+    """
+
     def on_train_batch_end(self, batch, logs=None):
         loss = (logs or {}).get("loss")
         if loss is not None and not math.isfinite(float(loss)):
             from tfpar.errors import NonFiniteError
 
-            step = self._epoch * self.steps_per_epoch + batch + 1
-            raise NonFiniteError(
-                f"Step {step} (or one of the steps_per_loop steps before it): the loss is "
-                f"{float(loss)}; training stopped before anything was saved, so the last checkpoint "
-                "is the last good state. Lower the learning rate, clip gradients "
-                "(optimizer.clip_norm), check the data, or train with --config.mode=loop "
-                "--config.train.nonfinite=skip.")
+            raise NonFiniteError.at(
+                f"{self.step(batch)} (or one of the steps_per_loop steps before it)",
+                f"the loss is {float(loss)}", "optimizer.clip_norm",
+                "train with --config.mode=loop --config.train.nonfinite=skip")
 
 
 class Checkpointing(keras.callbacks.Callback):
@@ -179,8 +183,6 @@ class Shifted(keras.callbacks.Callback):
         self.callback.set_model(model)
 
     def on_train_begin(self, logs=None):
-        if hasattr(self.callback, "offset"):
-            self.callback.offset = self.offset
         self.callback.on_train_begin(logs)
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -194,5 +196,3 @@ class Shifted(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self.callback.on_train_end(logs)
-        if hasattr(self.callback, "offset"):
-            self.callback.offset = 0

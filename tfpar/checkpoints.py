@@ -52,7 +52,9 @@ class Checkpoints:
     def __init__(self, workdir: str, is_chief: bool, max_to_keep: int = 3, **objects):
         self.is_chief = is_chief
         self.directory = os.path.join(workdir, "checkpoints")
+        self.fingerprint = None
         if "model" in objects:
+            self.fingerprint = fingerprint(objects["model"])
             # Keras 3 on TensorFlow gives tf.train.Checkpoint only the layers held directly in
             # attributes: layers in lists (a StagedModel's blocks, a Sequential's layers) are
             # left out, and were saved only through the optimizer's slot references, so
@@ -61,7 +63,6 @@ class Checkpoints:
                 **{f"w{i}": v.value for i, v in enumerate(objects["model"].weights)})
         self.checkpoint = tf.train.Checkpoint(**objects)
         self.manager = tf.train.CheckpointManager(self.checkpoint, self.directory, max_to_keep)
-        self.fingerprint = fingerprint(objects["model"]) if "model" in objects else None
         self._fingerprint_path = os.path.join(self.directory, "model.json")
 
     @property

@@ -51,6 +51,13 @@ class DataError(TfparError, ValueError):
 class NonFiniteError(TfparError, FloatingPointError):
     """The loss or the gradients became NaN or Inf; the message names the step."""
 
+    @classmethod
+    def at(cls, step: str, what: str, clip: str, alternative: str) -> "NonFiniteError":
+        """The one message for a non-finite step, from the loop or from Keras fit."""
+        return cls(f"Step {step}: {what}; training stopped before anything was saved, so the "
+                   "last checkpoint is the last good state. Lower the learning rate, clip "
+                   f"gradients ({clip}), check the data, or {alternative}.")
+
 
 class CheckpointMismatchError(TfparError, ValueError):
     """A checkpoint that was written by another model (or another config of it)."""

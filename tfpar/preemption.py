@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import signal
 
-import keras
 import tensorflow as tf
+
+from tfpar.callbacks import StepCallback
 
 EXIT_PREEMPTED = 75
 
@@ -60,21 +61,17 @@ class PreemptionWatch:
         return float(self._any(tf.constant(float(self.signalled)))) > 0
 
 
-class SaveOnPreemption(keras.callbacks.Callback):
+class SaveOnPreemption(StepCallback):
     """On agreement, saves a checkpoint at the current step on every worker, then raises
     Preempted (exit code 75). Put it before callbacks that could save a later state."""
 
     def __init__(self, watch: PreemptionWatch, checkpoints, steps_per_epoch: int, say=print):
-        super().__init__()
-        self.watch, self.checkpoints, self.steps_per_epoch, self.say = watch, checkpoints, steps_per_epoch, say
-        self._epoch = 0
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
+        super().__init__(steps_per_epoch)
+        self.watch, self.checkpoints, self.say = watch, checkpoints, say
 
     def on_train_batch_end(self, batch, logs=None):
         if self.watch.agreed():
-            step = self._epoch * self.steps_per_epoch + batch + 1
+            step = self.step(batch)
             path = self.checkpoints.save(step)
             self.say(f"preempted: saved step {step}{f' to {path}' if path else ''}; exiting with "
                      f"code {EXIT_PREEMPTED} (tfpar-launch --max-restarts resumes the run).")

@@ -111,7 +111,6 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
     strategy = _create_strategy(config)  # first: before anything touches TensorFlow
     info = tfpar.describe(strategy)
-    watch = None if info.kind == "parameter_server" else preemption.PreemptionWatch(strategy)
     say = _say if info.is_chief else (lambda message: None)
     say(f"tfpar: {info.kind}, {info.replicas} replica(s), {info.num_workers} worker(s); "
         f"workdir {workdir}")
@@ -120,6 +119,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
     keras.utils.set_random_seed(config.seed)
 
     asynchronous = info.kind == "parameter_server"
+    # ps: a dead worker is restarted while the chief goes on; no coordinated save needed
+    watch = None if asynchronous else preemption.PreemptionWatch(strategy)
     if asynchronous and config.mode != "loop":
         raise ConfigError("config.mode: parameter_server trains with tfpar's own loop (Keras fit "
                           "does not support it, keras#18624). Add --config.mode=loop.")

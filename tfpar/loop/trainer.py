@@ -28,17 +28,16 @@ from tfpar import evaluate as evaluate_lib
 from tfpar.compression import accounting
 from tfpar.compression.aggregation import Compression
 from tfpar.compression.compressors import Compressor
-from tfpar.errors import NonFiniteError, TfparError
+from tfpar.errors import TfparError
 from tfpar.loop import parameter_server
 from tfpar.loop.aggregation import AllReduce, GradientAggregator, NoReduce
+from tfpar.loop.nonfinite import POLICIES as NONFINITE_POLICIES
+from tfpar.loop.nonfinite import NonFiniteGuard
 from tfpar.placement import tpu as tpu_placement
 
 
 class TrainerError(TfparError, ValueError):
     """A Trainer option that cannot work with this model, optimizer or strategy."""
-
-
-NONFINITE_POLICIES = ("stop", "skip", "ignore")
 
 
 def _unpack(batch):
@@ -119,9 +118,8 @@ class Trainer:
         self.steps_per_loop, self.accumulate = steps_per_loop, accumulate
         if nonfinite not in NONFINITE_POLICIES:
             raise TrainerError(f"nonfinite={nonfinite!r}: choose one of {', '.join(NONFINITE_POLICIES)}.")
-        scaled = hasattr(optimizer, "inner_optimizer")  # fp16: the loss scale skips by itself
-        self.nonfinite = "ignore" if scaled else nonfinite
-        self.skipped_steps = 0
+        if hasattr(optimizer, "inner_optimizer"):  # fp16: the loss scale skips by itself
+            nonfinite = "ignore"
         if compression is not None:
             if aggregator is not None:
                 raise TrainerError("Give aggregator or compression, not both.")
@@ -161,12 +159,7 @@ class Trainer:
                 0.0, trainable=False, name="loss_sum",
                 synchronization=tf.VariableSynchronization.ON_READ,
                 aggregation=tf.VariableAggregation.SUM)
-            # Per call: how many steps had non-finite gradients, and the first of them (from
-            # 1 within the call). The gradients are all-reduced first, so every replica sees
-            # the same; replica 0's copy is read.
-            self._bad_steps, self._first_bad = (None, None) if self._async else (tf.Variable(
-                0.0, trainable=False, name=name, synchronization=tf.VariableSynchronization.ON_READ,
-                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA) for name in ("bad_steps", "first_bad"))
+            self._guard = None if self._async else NonFiniteGuard(nonfinite)
         self.step = 0  # the next optimizer step; fit sets it from start_step
         # Exact shapes (no reduce_retracing): a static batch keeps every gradient's size
         # static, which XLA wants and which lets the wire bytes be counted before running.
@@ -174,6 +167,11 @@ class Trainer:
         self._train_loop = tf.function(self._train_loop_fn, reduce_retracing=True)
         # The coordinator binds only tensor arguments: its function has no phase argument.
         self._scheduled_loop = tf.function(lambda iterator, steps: self._train_loop_fn(iterator, steps))
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose update nonfinite='skip' left out."""
+        return self._guard.skipped_steps if self._guard is not None else 0
 
     def _check_placement(self, placement) -> None:
         replicas = placement.plan.replicas
@@ -261,50 +259,18 @@ class Trainer:
                 grads = [tf.convert_to_tensor(g) for g in grads]
             summed = list(grads) if summed is None else [a + b for a, b in zip(summed, grads)]
         summed = self.aggregator(summed, variables)
+        norm = None
         if self.clip_norm:
             # fp16: the gradients are still scaled by the loss scale; so is the limit.
             limit = self.clip_norm * self._loss_scale()
-            summed, _ = tf.clip_by_global_norm(summed, limit)
-        if self.nonfinite == "ignore" or self._async:
+            summed, norm = tf.clip_by_global_norm(summed, limit)
+        if self._guard is None:
             self.optimizer.apply(summed, variables)
-        else:
-            finite = tf.math.is_finite(tf.linalg.global_norm(summed))
-            self._note_nonfinite(finite, index)
-            if self.nonfinite == "skip":
-                self._apply_if(finite, summed, variables)
-            else:
-                self.optimizer.apply(summed, variables)
+        else:  # the norm before clipping (as finite as the gradients), when there was one
+            self._guard.apply(self.optimizer, summed, variables, index, norm)
         if self._loss_sum is not None:
             self._loss_sum.assign_add(total)
         return total
-
-    def _note_nonfinite(self, finite, index) -> None:
-        bad = 1.0 - tf.cast(finite, tf.float32)
-        first = tf.where((self._first_bad == 0.0) & (bad > 0), tf.cast(index, tf.float32) + 1.0,
-                         self._first_bad)
-        self._first_bad.assign(first)
-        self._bad_steps.assign_add(bad)
-
-    def _apply_if(self, finite, grads, variables) -> None:
-        """optimizer.apply only when `finite` (the same on every replica). Keras's optimizer
-        merge_calls to the cross-replica context, which cannot happen inside a tf.cond branch
-        built in a replica context; so, as Keras's LossScaleOptimizer does, the cond runs in
-        the cross-replica context and calls back into every replica."""
-        apply = lambda: self.optimizer.apply(grads, variables)  # noqa: E731
-        if tf.__internal__.distribute.strategy_supports_no_merge_call():
-            tf.cond(finite, lambda: (apply(), tf.constant(True))[1], lambda: tf.constant(False))
-            return
-
-        def cross_replica(strategy, finite, grads):
-            first = strategy.experimental_local_results(finite)[0]
-
-            def update():
-                strategy.extended.call_for_each_replica(
-                    lambda g: self.optimizer.apply(g, variables), args=(grads,))
-                return tf.constant(True)
-            tf.cond(first, update, lambda: tf.constant(False))
-
-        tf.distribute.get_replica_context().merge_call(cross_replica, args=(finite, grads))
 
     def _train_loop_fn(self, iterator, steps, phase=None):
         if hasattr(self.aggregator, "set_phase"):  # e.g. compression warm-up: its own trace
@@ -319,14 +285,13 @@ class Trainer:
         # Each replica adds its loss to its own copy; one cross-replica sum per call, so a
         # step's only collectives are the gradients' (see wire_bytes).
         def reset():  # each replica its own copy: no collective
-            for variable in (self._loss_sum, self._bad_steps, self._first_bad):
+            for variable in (self._loss_sum, *self._guard.variables):
                 variable.assign(0.0)
         self.strategy.run(reset)
         for index in tf.range(steps):
             batches = [next(iterator) for _ in range(self.accumulate)]
             self.strategy.run(self._replica_step, args=(batches, index))
-        return (self._loss_sum.read_value() / tf.cast(steps, tf.float32),
-                self._bad_steps.read_value(), self._first_bad.read_value())
+        return (self._loss_sum.read_value() / tf.cast(steps, tf.float32), *self._guard.read())
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -343,15 +308,8 @@ class Trainer:
                 self._scheduled_loop, args=(iterator, tf.constant(steps))).fetch())
         else:
             loss, bad, first = self._train_loop(iterator, tf.constant(steps), self._phase(self.step))
-            loss, bad = float(loss), int(bad)
-            if bad and self.nonfinite == "stop":
-                step = self.step + int(first)
-                raise NonFiniteError(
-                    f"Step {step}: the gradients (or the loss) are NaN or Inf; training stopped "
-                    f"before anything was saved, so the last checkpoint is the last good state. "
-                    "Lower the learning rate, clip gradients (optimizer.clip_norm / "
-                    "global_clipnorm), check the data, or use nonfinite='skip'.")
-            self.skipped_steps += bad
+            self._guard.after_call(bad, first, self.step)
+            loss = float(loss)
         self.step += steps
         return loss
 

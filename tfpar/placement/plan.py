@@ -36,6 +36,13 @@ class PlacementError(TfparError, ValueError):
     """A stage plan that does not fit the model or the devices."""
 
 
+LOGICAL = "logical:"  # a TPU replica's logical core as a plan's "device" (see placement.tpu)
+
+
+def is_logical(device: str) -> bool:
+    return device.startswith(LOGICAL)
+
+
 @dataclasses.dataclass(frozen=True)
 class StageGroup:
     """Consecutive stages on one device."""
@@ -127,7 +134,7 @@ class StagePlan:
         if stage is None:  # not a stage's weight (optimizer slots follow their variable)
             return next_creator(**kwargs)
         device = self.device_of(stage, self._replica_here())
-        if device.startswith("logical:"):  # a TPU core: TPUStrategy places the variables
+        if is_logical(device):  # a TPU core: TPUStrategy places the variables
             return next_creator(**kwargs)
         with tf.device(device):
             return next_creator(**kwargs)

@@ -29,13 +29,10 @@ import dataclasses
 
 import tensorflow as tf
 
-from tfpar.placement.plan import PlacementError, StagePlan
+from tfpar.placement.plan import LOGICAL, PlacementError, StagePlan, is_logical
 
-LOGICAL = "logical:"
-
-
-def is_logical(device: str) -> bool:
-    return device.startswith(LOGICAL)
+__all__ = ["LOGICAL", "computation_shape", "device_assignment", "is_logical", "logical",
+           "logical_core", "strategy"]
 
 
 def logical_core(device: str) -> int:
