@@ -89,7 +89,7 @@ def compression_for(name: str):
 
 def analytic_bytes(variables, compressor, policy) -> int:
     """Bytes per replica per step by the compressors' own sizes (pure Python, no TF ops)."""
-    from tfpar.compression.aggregation import SIZE_EXCHANGE_BYTES
+    from tfpar.compression.compressed_aggregator import SIZE_EXCHANGE_BYTES
     from tfpar.compression.compressors import GatherCompressor
 
     total, gathers = 0, False
@@ -133,7 +133,7 @@ def worker(args) -> None:
 
     from tfpar import data as data_lib
     from tfpar import recipes
-    from tfpar.evaluate import evaluate
+    from tfpar.evaluation import evaluate
     from tfpar.loop import Trainer
 
     def say(message):

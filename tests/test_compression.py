@@ -147,7 +147,7 @@ def test_packing_round_trips():
 
 def test_payload_bits_survive_the_collective_unchanged():
     """Words travel as float32 bits: NaN and denormal patterns must arrive as sent."""
-    from tfpar.compression.aggregation import _all_gather_words
+    from tfpar.compression.compressed_aggregator import _all_gather_words
 
     strategy = mirrored(2)
     words = tf.constant([0, 1, 5, -1, 0x7FC00001, 0x7F800001, -0x00400000, 2**31 - 1, -2**31], tf.int32)

@@ -12,7 +12,7 @@ from tfpar import data as data_lib
 from tfpar.data import corpus, pipeline
 from tfpar.data.source import Shard, Source
 from tfpar.errors import DataError
-from tfpar.evaluate import evaluate
+from tfpar.evaluation import evaluate
 
 
 def test_corpus_is_the_stdlib_split_by_file_deterministically():

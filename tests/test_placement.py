@@ -212,27 +212,27 @@ def fake_tpu(mesh_shape):
 
 
 def test_tpu_plans_map_stages_to_logical_cores_of_each_replica():
-    from tfpar.placement import tpu
+    from tfpar.placement import tpu_cores
 
-    plan = tpu.logical(placement.balanced(small_gpt(), DEVICES[:2]))
+    plan = tpu_cores.logical(placement.balanced(small_gpt(), DEVICES[:2]))
     assert plan.devices == ["logical:0", "logical:1"]
     v3_8 = fake_tpu([2, 2, 1, 2])  # 4 chips x 2 cores
-    two = tpu.device_assignment(v3_8, stages=2)  # a replica = the two cores of one chip
+    two = tpu_cores.device_assignment(v3_8, stages=2)  # a replica = the two cores of one chip
     assert (two.num_replicas, two.num_cores_per_replica) == (4, 2)
     for r in range(4):
         chip0, chip1 = two.core_assignment[r]
         assert list(chip0[:3]) == list(chip1[:3]) and (chip0[3], chip1[3]) == (0, 1)
-    four = tpu.device_assignment(v3_8, stages=4)  # two neighbouring chips per replica
+    four = tpu_cores.device_assignment(v3_8, stages=4)  # two neighbouring chips per replica
     assert (four.num_replicas, four.num_cores_per_replica) == (2, 4)
     cores = {tuple(c) for r in range(2) for c in four.core_assignment[r]}
     assert len(cores) == 8  # every core used once
-    assert tpu.computation_shape([2, 2, 1, 2], 4) == [2, 1, 1, 2]
+    assert tpu_cores.computation_shape([2, 2, 1, 2], 4) == [2, 1, 1, 2]
     with pytest.raises(placement.PlacementError, match="do not divide the 8 TPU cores"):
-        tpu.device_assignment(v3_8, stages=3)
+        tpu_cores.device_assignment(v3_8, stages=3)
 
 
 def test_a_tpu_pipeline_annotates_each_stage_with_its_core(monkeypatch):
-    from tfpar.placement import tpu
+    from tfpar.placement import tpu_cores
 
     class RecordingStrategy:  # stands in for TPUStrategy: records the annotations
         def __init__(self):
@@ -249,7 +249,7 @@ def test_a_tpu_pipeline_annotates_each_stage_with_its_core(monkeypatch):
     expected = tape.gradient(loss, reference.trainable_variables)
     recorder = RecordingStrategy()
     monkeypatch.setattr(tf.distribute, "get_strategy", lambda: recorder)
-    plan = tpu.logical(placement.balanced(reference, DEVICES[:2]))
+    plan = tpu_cores.logical(placement.balanced(reference, DEVICES[:2]))
     pipe = placement.Pipeline(reference, plan, micro_batches=2, schedule="1f1b")
     got, grads = pipe.forward_backward(x, y, w, share)
     np.testing.assert_allclose(got, loss, rtol=1e-6)

@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 
-_SUBPACKAGES = ("compression", "data", "evaluate", "launch", "loop", "models", "placement",
+_SUBPACKAGES = ("compression", "data", "evaluation", "launch", "loop", "models", "placement",
                 "recipes", "strategy")
 
 

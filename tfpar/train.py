@@ -105,7 +105,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     from tfpar import recipes
     from tfpar.checkpoints import Checkpoints
     from tfpar.compression import compress_fit
-    from tfpar.evaluate import evaluate
+    from tfpar.evaluation import evaluate
     from tfpar.loop import Trainer
     from tfpar.sampling import generate
 

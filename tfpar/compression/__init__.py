@@ -9,7 +9,7 @@ Example:
 
 from __future__ import annotations
 
-from tfpar.compression.aggregation import Compression
+from tfpar.compression.compressed_aggregator import Compression
 from tfpar.compression.compressors import (BF16, FP16, CompressionError, Compressor, Int8,
                                            NoCompression, Sign, TopK)
 from tfpar.compression.keras_fit import compress_fit

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import keras
 
-from tfpar.compression.aggregation import Compression
+from tfpar.compression.compressed_aggregator import Compression
 from tfpar.compression.compressors import CompressionError, Compressor
 
 

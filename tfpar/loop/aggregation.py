@@ -1,9 +1,18 @@
-"""The gradient-aggregation seam of tfpar's loop.
+"""The gradient-aggregation seam of tfpar's loop: one declared contract.
 
 An aggregator receives this replica's gradients in the replica context and returns the
 gradients summed over all replicas. The Trainer calls it exactly once per step and then
 applies the optimizer in the cross-replica context, where Keras does not all-reduce again.
 Gradient compression (tfpar.compression) plugs in here.
+
+Every hook the Trainer calls is declared on `GradientAggregator` with a no-op default, so
+an aggregator overrides only what it needs and the Trainer never probes with `hasattr`:
+
+- `build(variables)`: once, under `strategy.scope()`, before any step is traced.
+- `boundaries()`: steps at which `phase` changes; the Trainer cuts its runs there.
+- `phase(step)`: a hashable value; each distinct phase gets its own trace of the step.
+- `set_phase(phase)`: called while tracing, before `__call__`, with that trace's phase.
+- `checkpoint_items()`: trackables (by name) saved and restored with the model.
 
 Example:
     >>> class Mine(GradientAggregator):
@@ -15,11 +24,9 @@ Example:
 from __future__ import annotations
 
 import abc
-from typing import Sequence
+from typing import Hashable, Sequence
 
 import tensorflow as tf
-
-from tfpar.compression.aggregation import densify_if_smaller
 
 
 class GradientAggregator(abc.ABC):
@@ -29,6 +36,24 @@ class GradientAggregator(abc.ABC):
     def __call__(self, gradients: Sequence[tf.Tensor], variables: Sequence[tf.Variable]) -> list[tf.Tensor]:
         """Returns the gradients summed over all replicas, in the same order."""
 
+    def build(self, variables: Sequence[tf.Variable]) -> None:
+        """Creates any state (under `strategy.scope()`); default: none."""
+
+    def boundaries(self) -> tuple[int, ...]:
+        """Steps where `phase` changes (e.g. the end of a warm-up); default: none."""
+        return ()
+
+    def phase(self, step: int) -> Hashable | None:
+        """The phase of `step`; each distinct phase is traced once. Default: one phase."""
+        return None
+
+    def set_phase(self, phase: Hashable | None) -> None:
+        """Told the phase of the step being traced, before `__call__`; default: ignored."""
+
+    def checkpoint_items(self) -> dict:
+        """Trackables to checkpoint with the model, by name; default: none."""
+        return {}
+
 
 class AllReduce(GradientAggregator):
     """One batched SUM all-reduce of every gradient: what tf.distribute itself does, except
@@ -36,7 +61,7 @@ class AllReduce(GradientAggregator):
 
     def __call__(self, gradients, variables):
         context = tf.distribute.get_replica_context()
-        if context is None or context.num_replicas_in_sync == 1 and not _multi_worker(context):
+        if context is None or context.num_replicas_in_sync == 1 and not multi_worker(context):
             return list(gradients)
         gradients = [densify_if_smaller(g, v) for g, v in zip(gradients, variables)]
         return context.all_reduce(tf.distribute.ReduceOp.SUM, gradients)
@@ -49,5 +74,17 @@ class NoReduce(GradientAggregator):
         return list(gradients)
 
 
-def _multi_worker(context) -> bool:
+def densify_if_smaller(gradient, variable):
+    """A sparse (IndexedSlices) gradient with at least as many rows as its variable goes
+    dense: fewer bytes than all-gathering its rows and indices, and a size known before the
+    step runs. An embedding looked up by a whole batch of tokens is the usual case."""
+    if isinstance(gradient, tf.IndexedSlices):
+        rows = gradient.values.shape[0]
+        if rows is None or rows < variable.shape[0]:
+            return gradient
+    return tf.ensure_shape(tf.convert_to_tensor(gradient), variable.shape)  # a static size
+
+
+def multi_worker(context) -> bool:
+    """Whether the replica context's strategy spans several workers."""
     return getattr(context.strategy.extended, "_num_workers", 1) > 1

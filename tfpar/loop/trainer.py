@@ -24,16 +24,16 @@ from typing import Sequence
 import keras
 import tensorflow as tf
 
-from tfpar import evaluate as evaluate_lib
+from tfpar import evaluation
 from tfpar.compression import accounting
-from tfpar.compression.aggregation import Compression
+from tfpar.compression.compressed_aggregator import Compression
 from tfpar.compression.compressors import Compressor
 from tfpar.errors import TfparError
 from tfpar.loop import parameter_server
 from tfpar.loop.aggregation import AllReduce, GradientAggregator, NoReduce
 from tfpar.loop.nonfinite import POLICIES as NONFINITE_POLICIES
 from tfpar.loop.nonfinite import NonFiniteGuard
-from tfpar.placement import tpu as tpu_placement
+from tfpar.placement import tpu_cores
 
 
 class TrainerError(TfparError, ValueError):
@@ -153,8 +153,7 @@ class Trainer:
         _no_second_all_reduce(optimizer)
         with self.strategy.scope():
             optimizer.build(model.trainable_variables)  # before any traced step
-            if hasattr(self.aggregator, "build"):
-                self.aggregator.build(model.trainable_variables)
+            self.aggregator.build(model.trainable_variables)
             self._loss_sum = None if self._async else tf.Variable(
                 0.0, trainable=False, name="loss_sum",
                 synchronization=tf.VariableSynchronization.ON_READ,
@@ -175,10 +174,10 @@ class Trainer:
 
     def _check_placement(self, placement) -> None:
         replicas = placement.plan.replicas
-        if all(tpu_placement.is_logical(d) for d in placement.plan.devices):
+        if all(tpu_cores.is_logical(d) for d in placement.plan.devices):
             if not isinstance(self.strategy, tf.distribute.TPUStrategy):
-                raise TrainerError("A plan on TPU cores (placement.tpu.logical) trains under "
-                                   "placement.tpu.strategy(...), a TPUStrategy.")
+                raise TrainerError("A plan on TPU cores (placement.tpu_cores.logical) trains under "
+                                   "placement.tpu_cores.tpu_strategy(...), a TPUStrategy.")
             return  # every replica runs the same plan on its own cores
         if self._async:
             raise TrainerError("Layer placement does not run under parameter_server; use a plan "
@@ -273,8 +272,7 @@ class Trainer:
         return total
 
     def _train_loop_fn(self, iterator, steps, phase=None):
-        if hasattr(self.aggregator, "set_phase"):  # e.g. compression warm-up: its own trace
-            self.aggregator.set_phase(phase)
+        self.aggregator.set_phase(phase)  # e.g. compression warm-up: its own trace
         if self._async:  # one replica per worker: the reduce is local
             total = tf.constant(0.0)
             for _ in tf.range(steps):
@@ -296,10 +294,10 @@ class Trainer:
     # -- the loop ---------------------------------------------------------------------
 
     def _phase(self, step: int):
-        return self.aggregator.phase(step) if hasattr(self.aggregator, "phase") else None
+        return self.aggregator.phase(step)
 
     def _boundaries(self) -> tuple[int, ...]:
-        return tuple(getattr(self.aggregator, "boundaries", ()))
+        return tuple(self.aggregator.boundaries())
 
     def train_steps(self, iterator, steps: int) -> float:
         """Runs `steps` optimizer steps from `iterator` from `self.step`; returns their mean loss."""
@@ -315,8 +313,7 @@ class Trainer:
 
     def checkpoint_items(self) -> dict:
         """Trackables the Trainer adds to checkpoints (compression state), by name."""
-        items = getattr(self.aggregator, "checkpoint_items", None)
-        return items() if items else {}
+        return self.aggregator.checkpoint_items()
 
     def traced_step(self, dataset, phase=None):
         """The concrete function of one train step on `dataset` (for inspection)."""
@@ -398,12 +395,12 @@ class Trainer:
 
     def evaluate(self, dataset, steps: int) -> dict:
         """Exact loss (cross-entropy), perplexity, accuracy and exact-match over `steps` batches
-        of (x, y, weight), reduced over all replicas (see tfpar.evaluate). Under
+        of (x, y, weight), reduced over all replicas (see tfpar.evaluation). Under
         parameter_server the chief evaluates on its own: `dataset` is then a plain one (or
         one distributed by the default strategy), the variables are read from the ps."""
         strategy = tf.distribute.get_strategy() if self._async else self.strategy
         local = not self._async and strategy.num_replicas_in_sync == 1  # XLA: variables here
-        return evaluate_lib.evaluate(self.model, strategy, dataset, steps, xla=self.xla and local)
+        return evaluation.evaluate(self.model, strategy, dataset, steps, xla=self.xla and local)
 
     def collective_ops(self, dataset) -> list[tuple[str, str]]:
         """(type, name) of every collective op in one traced train step, nested functions

@@ -16,6 +16,8 @@ from __future__ import annotations
 import keras
 from keras import layers, ops
 
+from tfpar.models.staged import Stage
+
 PACKAGE = "tfpar"
 
 
@@ -155,3 +157,14 @@ class PatchEmbedding(layers.Layer):
     def get_config(self):
         return {**super().get_config(), "image_size": self.image_size,
                 "patch_size": self.patch_size, "dim": self.dim, "dropout": self.dropout_rate}
+
+
+def transformer_stages(config, causal: bool) -> list[Stage]:
+    """The attention and feed-forward stages of `config.depth` blocks."""
+    stages = []
+    for i in range(config.depth):
+        stages.append(Stage(f"blocks.{i}.attn", SelfAttentionStage(
+            config.dim, config.heads, config.dropout, causal=causal, name=f"block_{i}_attn")))
+        stages.append(Stage(f"blocks.{i}.mlp", FeedForwardStage(
+            config.dim, config.dim * config.mlp_ratio, config.dropout, name=f"block_{i}_mlp")))
+    return stages

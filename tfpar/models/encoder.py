@@ -14,8 +14,7 @@ import dataclasses
 
 import keras
 
-from tfpar.models.blocks import PACKAGE, TokenEmbedding
-from tfpar.models.gpt import transformer_stages
+from tfpar.models.blocks import PACKAGE, TokenEmbedding, transformer_stages
 from tfpar.models.heads import ClassifierHead
 from tfpar.models.staged import Stage, StagedModel
 

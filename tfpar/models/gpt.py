@@ -11,7 +11,7 @@ import dataclasses
 
 import keras
 
-from tfpar.models.blocks import PACKAGE, FeedForwardStage, SelfAttentionStage, TokenEmbedding
+from tfpar.models.blocks import PACKAGE, TokenEmbedding, transformer_stages
 from tfpar.models.heads import LMHead
 from tfpar.models.staged import Stage, StagedModel
 
@@ -26,17 +26,6 @@ class GPTConfig:
     mlp_ratio: int = 4
     dropout: float = 0.0
     tie_embeddings: bool = False
-
-
-def transformer_stages(config, causal: bool) -> list[Stage]:
-    """The attention and feed-forward stages of `config.depth` blocks."""
-    stages = []
-    for i in range(config.depth):
-        stages.append(Stage(f"blocks.{i}.attn", SelfAttentionStage(
-            config.dim, config.heads, config.dropout, causal=causal, name=f"block_{i}_attn")))
-        stages.append(Stage(f"blocks.{i}.mlp", FeedForwardStage(
-            config.dim, config.dim * config.mlp_ratio, config.dropout, name=f"block_{i}_mlp")))
-    return stages
 
 
 @keras.saving.register_keras_serializable(PACKAGE)

@@ -11,8 +11,7 @@ import dataclasses
 
 import keras
 
-from tfpar.models.blocks import PACKAGE, PatchEmbedding
-from tfpar.models.gpt import transformer_stages
+from tfpar.models.blocks import PACKAGE, PatchEmbedding, transformer_stages
 from tfpar.models.heads import ClassifierHead
 from tfpar.models.staged import Stage, StagedModel
 

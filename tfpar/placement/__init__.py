@@ -8,9 +8,9 @@ Example:
     ...                         placement=tfpar.placement.Pipeline(model, plan, micro_batches=8))
 """
 
-from tfpar.placement import timeline, tpu
+from tfpar.placement import timeline, tpu_cores
 from tfpar.placement.pipeline import SCHEDULES, Pipeline, schedule_order
 from tfpar.placement.plan import PlacementError, StageGroup, StagePlan, balanced, manual, stage_params
 
 __all__ = ["PlacementError", "Pipeline", "SCHEDULES", "StageGroup", "StagePlan", "balanced",
-           "manual", "schedule_order", "stage_params", "timeline", "tpu"]
+           "manual", "schedule_order", "stage_params", "timeline", "tpu_cores"]

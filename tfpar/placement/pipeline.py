@@ -16,7 +16,7 @@ Under a hybrid plan (`plan.replicate(...)`, trained under `plan.strategy`) each 
 runs its own pipeline on its own devices; the Trainer's aggregator then all-reduces the
 gradients across replicas, once per step, as for any data-parallel run.
 
-On a TPU (`tpu.logical(plan)`) a stage's "device" is a logical core of the replica: the
+On a TPU (`tpu_cores.logical(plan)`) a stage's "device" is a logical core of the replica: the
 stage's input, and the gradient handed back to it, are annotated with that core instead.
 
 With `record=True` every unit of work (stage, micro-batch, forward/backward) is timed with
@@ -34,7 +34,7 @@ from typing import Callable
 
 import tensorflow as tf
 
-from tfpar.placement import tpu
+from tfpar.placement import tpu_cores
 from tfpar.placement.plan import PlacementError, StagePlan
 
 SCHEDULES = ("naive", "gpipe", "1f1b")
@@ -102,16 +102,16 @@ class Pipeline:
     @staticmethod
     def _on(device: str):
         """Where a stage's ops go: its device (a TPU core is chosen by annotation instead)."""
-        return contextlib.nullcontext() if tpu.is_logical(device) else tf.device(device)
+        return contextlib.nullcontext() if tpu_cores.is_logical(device) else tf.device(device)
 
     @staticmethod
     def _hand_to(device: str, tensor):
         """`tensor` arriving at a stage: copied to its device or annotated with its core."""
         if tensor is None:
             return None
-        if tpu.is_logical(device):
+        if tpu_cores.is_logical(device):
             return tf.distribute.get_strategy().experimental_assign_to_logical_device(
-                tensor, tpu.logical_core(device))
+                tensor, tpu_cores.logical_core(device))
         return tf.identity(tensor)
 
     @staticmethod

@@ -36,7 +36,7 @@ class PlacementError(TfparError, ValueError):
     """A stage plan that does not fit the model or the devices."""
 
 
-LOGICAL = "logical:"  # a TPU replica's logical core as a plan's "device" (see placement.tpu)
+LOGICAL = "logical:"  # a TPU replica's logical core as a plan's "device" (see placement.tpu_cores)
 
 
 def is_logical(device: str) -> bool:

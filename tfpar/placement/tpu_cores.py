@@ -16,8 +16,8 @@ Example (on a TPU VM):
     >>> resolver = tf.distribute.cluster_resolver.TPUClusterResolver("local")
     >>> tf.config.experimental_connect_to_cluster(resolver)
     >>> topology = tf.tpu.experimental.initialize_tpu_system(resolver)
-    >>> plan = tpu.logical(balanced(model_template, ["a", "b"]))     # 2 stages
-    >>> strategy = tpu.strategy(resolver, topology, plan)           # replicas = cores / 2
+    >>> plan = tpu_cores.logical(balanced(model_template, ["a", "b"]))     # 2 stages
+    >>> strategy = tpu_cores.tpu_strategy(resolver, topology, plan)           # replicas = cores / 2
     >>> with strategy.scope():
     ...     model = GPT.from_preset("tiny")
     >>> pipe = Pipeline(model, plan, micro_batches=8)
@@ -32,7 +32,7 @@ import tensorflow as tf
 from tfpar.placement.plan import LOGICAL, PlacementError, StagePlan, is_logical
 
 __all__ = ["LOGICAL", "computation_shape", "device_assignment", "is_logical", "logical",
-           "logical_core", "strategy"]
+           "logical_core", "tpu_strategy"]
 
 
 def logical_core(device: str) -> int:
@@ -81,7 +81,7 @@ def device_assignment(topology, stages: int,
         num_replicas=replicas)
 
 
-def strategy(resolver, topology, plan: StagePlan, replicas: int | None = None):
+def tpu_strategy(resolver, topology, plan: StagePlan, replicas: int | None = None):
     """A TPUStrategy whose replicas each hold len(plan.groups) cores, for `logical(plan)`."""
     assignment = device_assignment(topology, len(plan.groups), replicas)
     return tf.distribute.TPUStrategy(resolver, experimental_device_assignment=assignment)

@@ -28,6 +28,7 @@ from tfpar.compression.compressors import (CompressionError, Compressor, GatherC
                                            ReduceCompressor)
 from tfpar.compression.policy import Policy
 from tfpar.compression.powersgd import PowerSGD
+from tfpar.loop.aggregation import GradientAggregator, densify_if_smaller, multi_worker
 
 SIZE_EXCHANGE_BYTES = 8  # every all_gather first gathers its input's shape: 2 x int32 here
 
@@ -36,8 +37,9 @@ def _state_name(index: int, path: str) -> str:
     return f"{index:03d}_" + re.sub(r"[^A-Za-z0-9_.]", "_", path)
 
 
-class Compression(tf.Module):
-    """Aggregates gradients through `compressor` under `policy` (see module docstring)."""
+class Compression(tf.Module, GradientAggregator):
+    """The compressing GradientAggregator: sends gradients through `compressor` under
+    `policy` (see module docstring)."""
 
     def __init__(self, compressor: Compressor, policy: Policy | None = None,
                  reset_on_restore: bool = False):
@@ -73,7 +75,6 @@ class Compression(tf.Module):
 
     # -- warm-up: the Trainer traces one step per phase ----------------------------------
 
-    @property
     def boundaries(self) -> tuple[int, ...]:
         return (self.policy.warmup_steps,) if self.policy.warmup_steps else ()
 
@@ -88,7 +89,7 @@ class Compression(tf.Module):
     def __call__(self, gradients: Sequence[tf.Tensor], variables: Sequence[tf.Variable]) -> list:
         context = tf.distribute.get_replica_context()
         replicas = context.num_replicas_in_sync
-        communicate = replicas > 1 or getattr(context.strategy.extended, "_num_workers", 1) > 1
+        communicate = replicas > 1 or multi_worker(context)
         plan = [None] * len(gradients) if self._phase == "warmup" else self.plan
         result: list = [None] * len(gradients)
 
@@ -169,17 +170,6 @@ class Compression(tf.Module):
         sent = self.payload_bytes(variables)
         return [(path, repr(c) if c else "none", 4 * int(v.shape.num_elements()), sent[path])
                 for path, v, c in zip(self.paths, variables, self.plan)]
-
-
-def densify_if_smaller(gradient, variable):
-    """A sparse (IndexedSlices) gradient with at least as many rows as its variable goes
-    dense: fewer bytes than all-gathering its rows and indices, and a size known before the
-    step runs. An embedding looked up by a whole batch of tokens is the usual case."""
-    if isinstance(gradient, tf.IndexedSlices):
-        rows = gradient.values.shape[0]
-        if rows is None or rows < variable.shape[0]:
-            return gradient
-    return tf.ensure_shape(tf.convert_to_tensor(gradient), variable.shape)  # a static size
 
 
 def _all_gather_words(context, words: tf.Tensor) -> tf.Tensor:
