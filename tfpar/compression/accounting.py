@@ -22,6 +22,13 @@ import tensorflow as tf
 
 COLLECTIVE_TYPES = ("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveReduce",
                     "CollectiveGather", "CollectiveBcastSendV2", "NcclAllReduce")
+# TPUStrategy's collectives (tpu_ops): all_reduce is CrossReplicaSum; all_gather is a
+# CrossReplicaSum of value x one-hot replica mask, so its input, R x the payload, is what
+# one replica hands over; dtypes CrossReplicaSum lacks gather through AllToAll of the value
+# tiled R times (plus a small AllToAll of replica ids). Counted from the input like the rest.
+TPU_COLLECTIVE_TYPES = ("CrossReplicaSum", "AllToAll", "CollectivePermute", "XlaAllReduce",
+                        "XlaReduceScatter")
+COLLECTIVE_TYPES = COLLECTIVE_TYPES + TPU_COLLECTIVE_TYPES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -173,12 +173,11 @@ class Compression(tf.Module, GradientAggregator):
 
 
 def _all_gather_words(context, words: tf.Tensor) -> tf.Tensor:
-    """All-gathers int32 words as float32 bits. MirroredStrategy sends int32 through a
-    copy to one device instead of its collectives; the bitcast keeps every strategy on
-    CollectiveGatherV2, which copies the bits as they are (tested with NaN and denormal
-    patterns)."""
-    gathered = context.all_gather(tf.bitcast(words, tf.float32), axis=0)
-    return tf.bitcast(gathered, tf.int32)
+    """All-gathers int32 words bit for bit: as int32 where the strategy gathers by a masked
+    sum (TPU), as float32 bits on CollectiveGatherV2 elsewhere (see compression/gather.py)."""
+    from tfpar.compression import gather  # pylint: disable=import-outside-toplevel
+
+    return gather.all_gather_words(context, words)
 
 
 def _dense(gradient, variable) -> tf.Tensor:
