@@ -60,42 +60,35 @@ class MaskAndSumContext(tpu_strategy._TPUReplicaContext):  # pylint: disable=pro
 
 
 class FakeResolver:
-    """A TPUClusterResolver's answers for a slice of `hosts` hosts x `chips_per_host` chips."""
+    """What tfpar asks a TPUClusterResolver after initialising, for an in-memory slice."""
 
-    def __init__(self, tpu: str = "local", hosts: int = 1, chips_per_host: int = 4,
-                 accelerator_type: str | None = None):
+    def __init__(self, tpu: str = "local", hosts: int = 1, cores_per_host: int = 8):
         self.tpu = tpu
         self.hosts = hosts
-        self.chips_per_host = chips_per_host
-        self.accelerator_type = accelerator_type or f"v4-{2 * hosts * chips_per_host}"
-        self.calls: list[str] = []
-
-    def num_accelerators(self):
-        self.calls.append("num_accelerators")
-        return {"TPU": self.chips_per_host}
+        self.cores_per_host = cores_per_host
 
     def get_tpu_system_metadata(self):
-        return _Metadata(self.hosts, self.chips_per_host)
-
-    def cluster_spec(self):
-        hosts = [f"10.0.0.{i}:8470" for i in range(self.hosts)]
-        return tf.train.ClusterSpec({"worker": hosts})
+        return _Metadata(self.hosts, self.hosts * self.cores_per_host)
 
 
-class _Metadata:
-    def __init__(self, hosts: int, chips_per_host: int):
-        self.num_hosts = hosts
-        self.num_of_cores_per_host = chips_per_host
-        self.num_cores = hosts * chips_per_host
+class _Metadata:  # the fields of tf.tpu.experimental.TPUSystemMetadata that tfpar reads
+    def __init__(self, num_hosts: int, num_cores: int):
+        self.num_hosts = num_hosts
+        self.num_cores = num_cores
 
 
-def fake_machine(root: str, *, vendors=(), dev=(), dev_dirs=()) -> str:
-    """Writes /sys/bus/pci/devices/<n>/vendor files and /dev entries under `root`."""
-    for i, vendor in enumerate(vendors):
+def fake_machine(root, *, pci=(), dev=(), dev_dirs=()) -> str:
+    """Writes /sys/bus/pci/devices/<n>/{vendor,device} and /dev entries under `root`.
+
+    `pci`: (vendor, device) pairs such as ("0x1ae0", "0x0063") for a TPU v5e chip.
+    """
+    root = str(root)
+    for i, (vendor, device) in enumerate(pci):
         folder = os.path.join(root, "sys/bus/pci/devices", f"0000:00:{i:02x}.0")
         os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, "vendor"), "w", encoding="ascii") as f:
-            f.write(vendor + "\n")
+        for name, value in (("vendor", vendor), ("device", device)):
+            with open(os.path.join(folder, name), "w", encoding="ascii") as f:
+                f.write(value + "\n")
     for name in dev:
         path = os.path.join(root, "dev", name)
         os.makedirs(os.path.dirname(path), exist_ok=True)

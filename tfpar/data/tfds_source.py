@@ -10,6 +10,8 @@ Example:
 
 from __future__ import annotations
 
+import os
+
 import tensorflow as tf
 
 from tfpar.data.source import Shard, Source, Splits, shard_examples
@@ -40,12 +42,32 @@ def _text_example(text_key: str, label_key: str, max_len: int):
     return convert
 
 
+def check_data_dir_for_slice(data_dir: str | None, hosts: int | None = None) -> None:
+    """On a multi-host TPU slice every host reads its own input: the data must be on GCS.
+
+    `hosts`: hosts of the slice; None asks tfpar.strategy.tpu (the TPU initialised, else
+    this TPU VM's variables). Example: check_data_dir_for_slice("gs://bucket/tfds", 4).
+    """
+    from tfpar.strategy import tpu  # pylint: disable=import-outside-toplevel
+
+    hosts = tpu.slice_hosts() if hosts is None else hosts
+    where = data_dir or os.environ.get("TFDS_DATA_DIR") or "~/tensorflow_datasets (TFDS's default)"
+    if hosts <= 1 or str(where).startswith("gs://"):
+        return
+    raise DataError(
+        f"This TPU slice has {hosts} hosts and each reads its own input, but data_dir is "
+        f"{where}, a folder only this host sees. Copy the prepared dataset to GCS "
+        "(gcloud storage cp -r DIR gs://BUCKET/tensorflow_datasets) and pass "
+        "data_dir='gs://BUCKET/tensorflow_datasets'.")
+
+
 def tfds_splits(spec: str, data_dir: str | None = None, max_len: int = 128,
                 train_split: str = "train", validation_split: str = "test", seed: int = 0) -> Splits:
     """Train/validation sources of a TFDS dataset; images or text with a label."""
     import tensorflow_datasets as tfds
 
     name, config = parse_spec(spec)
+    check_data_dir_for_slice(data_dir)
     try:
         builder = tfds.builder(name, config=config, data_dir=data_dir)
     except Exception as e:  # pylint: disable=broad-except

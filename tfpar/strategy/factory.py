@@ -13,7 +13,7 @@ import itertools
 import os
 from typing import Any, Sequence
 
-from tfpar.errors import StrategyOptionError, UnknownStrategyError
+from tfpar.errors import StrategyOptionError, TPUNotFoundError, UnknownStrategyError
 from tfpar.strategy import cluster as cluster_lib
 from tfpar.strategy import keras_fixes, preflight, runtime, tpu as tpu_lib
 
@@ -81,8 +81,9 @@ def create_strategy(
     _check_all_reduce(all_reduce, num_packs)
     if virtual_devices is not None:
         runtime.split_devices(virtual_devices)
+    tpu_resolver = None
     if kind == "auto":
-        kind, cluster, reason = _decide(tpu, cluster)
+        kind, cluster, reason, tpu_resolver = _auto(tpu, cluster)
         print(f"tfpar: strategy 'auto' chose {kind!r}: {reason}.", flush=True)
     if variable_partitioner is not None and kind != "parameter_server":
         raise StrategyOptionError(
@@ -92,7 +93,7 @@ def create_strategy(
     strategy = builder(
         devices=devices, all_reduce=all_reduce, num_packs=num_packs, tpu=tpu,
         cluster=cluster, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
-        variable_partitioner=variable_partitioner,
+        variable_partitioner=variable_partitioner, tpu_resolver=tpu_resolver,
     )
     keras_fixes.apply()
     return strategy
@@ -123,11 +124,37 @@ def partitioner(shards: int = 0, min_shard_bytes: int = 0, max_shards: int | Non
     return None
 
 
-def _decide(tpu: str | None, cluster: Any) -> tuple[str, Any, str]:
-    """What `auto` picks, and why (one line)."""
-    candidates = tpu_lib.tpu_candidates(tpu)
+def _auto(tpu: str | None, cluster: Any, root: str = "/") -> tuple[str, Any, str, Any]:
+    """What `auto` picks, why (one line), and the TPU resolver when it picked a TPU.
+
+    Signs of a TPU that then does not answer (no TPU build installed, a busy TPU) fall
+    back to the next choice with one line saying why; a multi-host slice reached as
+    'local' is refused instead (falling back there would train N unsynchronised copies).
+    """
+    kind, cluster, reason = _decide(tpu, cluster, root)
+    if kind != "tpu":
+        return kind, cluster, reason, None
+    try:
+        return kind, cluster, reason, tpu_lib.connect_tpu(tpu, root=root)
+    except tpu_lib.TPUSliceError:
+        raise
+    except TPUNotFoundError as e:
+        failed = "; ".join(line.strip(" -") for line in str(e).splitlines()[1:-1])
+        print(f"tfpar: 'auto' saw a TPU ({reason}) but could not use it ({failed}); "
+              "falling back.", flush=True)
+    kind, cluster, reason = _decide_without_tpu(cluster)
+    return kind, cluster, reason, None
+
+
+def _decide(tpu: str | None, cluster: Any, root: str = "/") -> tuple[str, Any, str]:
+    """What `auto` picks, and why (one line), before connecting to anything."""
+    candidates = tpu_lib.tpu_candidates(tpu, root=root)
     if candidates:
         return "tpu", cluster, candidates[0][1]
+    return _decide_without_tpu(cluster)
+
+
+def _decide_without_tpu(cluster: Any) -> tuple[str, Any, str]:
     found = cluster_lib.find_cluster(cluster)
     if found is not None and found.num_tasks > 1:
         if found.has_ps:
@@ -310,12 +337,12 @@ def _serve_forever(found: cluster_lib.Cluster, resolver) -> None:
     server.join()
 
 
-def _build_tpu(*, devices, all_reduce, num_packs, tpu, timeout_s, **_):
+def _build_tpu(*, devices, all_reduce, num_packs, tpu, timeout_s, tpu_resolver=None, **_):
     import tensorflow as tf
 
     _refuse_options("tpu", devices=devices, all_reduce=all_reduce, num_packs=num_packs,
                     timeout_s=timeout_s)
-    return tf.distribute.TPUStrategy(tpu_lib.connect_tpu(tpu))
+    return tf.distribute.TPUStrategy(tpu_resolver or tpu_lib.connect_tpu(tpu))
 
 
 _BUILDERS = {

@@ -1,0 +1,145 @@
+"""Finding a TPU (fake /sys and /dev trees), multi-host slices (fake resolvers), `auto`'s
+fallback, and data on a pod. No TPU here: TensorFlow's resolver is replaced at the one
+seam tfpar owns (`tpu._initialize`)."""
+
+import pytest
+
+import tfpar
+from tfpar.data.tfds_source import check_data_dir_for_slice
+from tfpar.errors import DataError, TPUNotFoundError
+from tfpar.strategy import factory, tpu as tpu_lib
+from tpu_standins import FakeResolver, fake_machine
+
+TPU_ENV = ("TPU_NAME", "COLAB_TPU_ADDR", "TF_CONFIG", "TFDS_DATA_DIR") + tpu_lib.TPU_VM_VARIABLES
+V5E, GVNIC, VIRTIO = ("0x1ae0", "0x0063"), ("0x1ae0", "0x0042"), ("0x1af4", "0x1041")
+
+
+@pytest.fixture(autouse=True)
+def clean(monkeypatch):
+    for var in TPU_ENV:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setitem(tpu_lib._connected, "hosts", 0)  # pylint: disable=protected-access
+
+
+# -- detection -------------------------------------------------------------------------
+
+def test_tpu_chips_are_google_vendor_and_a_tpu_device_id(tmp_path):
+    root = fake_machine(tmp_path, pci=[V5E, V5E, GVNIC, VIRTIO], dev=["vfio/0", "vfio/1"])
+    here = tpu_lib.local_tpu(root, {})
+    assert here.chips == 2 and len(here.device_nodes) == 2 and here.found
+
+
+@pytest.mark.parametrize("machine", [
+    {"dev_dirs": ["accel"], "dev": ["accel/accel0"]},     # Linux accel subsystem (NPU, Gaudi)
+    {"pci": [GVNIC, VIRTIO]},                             # any GCE VM: Google's virtual NIC
+    {"dev": ["vfio/0"]},                                  # VFIO passthrough of anything
+    {},
+], ids=["dev-accel-folder", "gvnic", "vfio-only", "bare"])
+def test_other_machines_are_not_tpus(tmp_path, machine):
+    root = fake_machine(tmp_path, **machine)
+    assert not tpu_lib.local_tpu(root, {}).found
+    assert tpu_lib.tpu_candidates(None, {}, root) == []
+    assert factory._decide(None, None, root)[0] == "default"  # pylint: disable=protected-access
+
+
+def test_tpu_v4_driver_nodes_and_tpu_vm_variables_count(tmp_path):
+    root = fake_machine(tmp_path, dev=["accel0", "accel1"])
+    assert tpu_lib.local_tpu(root, {}).device_nodes == (f"{root}/dev/accel0", f"{root}/dev/accel1")
+    assert tpu_lib.local_tpu(str(tmp_path / "none"), {"TPU_ACCELERATOR_TYPE": "v5litepod-1"}).found
+
+
+def test_named_tpu_first_colab_tpu_node_last(tmp_path):
+    root = fake_machine(tmp_path, pci=[V5E])
+    environ = {"COLAB_TPU_ADDR": "10.0.0.2:8470", "TPU_NAME": "pod"}
+    names = [name for name, _ in tpu_lib.tpu_candidates(None, environ, root)]
+    assert names == ["pod", "local", "grpc://10.0.0.2:8470"]
+    assert "legacy" in tpu_lib.tpu_candidates(None, {"COLAB_TPU_ADDR": "x:1"}, root)[-1][1]
+    assert tpu_lib.tpu_candidates("local", environ, root) == [("local", "tpu='local' was given")]
+
+
+@pytest.mark.parametrize("accelerator,chips", [
+    ("v2-8", 4), ("v3-32", 16), ("v4-32", 16), ("v5p-128", 64), ("v5litepod-16", 16),
+    ("v5e-4", 4), ("v6e-8", 8), ("v6e-256", 256), ("nonsense", None),
+])
+def test_chips_of_a_slice_from_its_accelerator_type(accelerator, chips):
+    assert tpu_lib.slice_chips(accelerator) == chips
+
+
+# -- multi-host slices -----------------------------------------------------------------
+
+def test_local_is_refused_when_the_slice_has_more_chips_than_this_host(tmp_path):
+    root = fake_machine(tmp_path, pci=[V5E] * 4)
+    environ = {"TPU_ACCELERATOR_TYPE": "v5litepod-16"}
+    assert tpu_lib.slice_hosts(environ, root) == 4
+    with pytest.raises(tpu_lib.TPUSliceError, match="spans 4 hosts.*TPU_NAME.*gs://"):
+        tpu_lib.connect_tpu("local", environ, root)
+    with pytest.raises(tpu_lib.TPUSliceError):
+        tpu_lib.check_local_fits({"TPU_WORKER_HOSTNAMES": "h0,h1"}, root)
+    tpu_lib.check_local_fits({"TPU_ACCELERATOR_TYPE": "v5litepod-4"}, root)  # one host: fine
+
+
+def test_local_is_refused_after_initialising_when_the_slice_has_more_hosts(monkeypatch, tmp_path):
+    monkeypatch.setattr(tpu_lib, "_initialize", lambda name: FakeResolver(name, hosts=2))
+    with pytest.raises(tpu_lib.TPUSliceError, match="spans 2 hosts"):
+        tpu_lib.connect_tpu("local", {}, str(tmp_path))
+
+
+def test_a_named_slice_records_its_hosts_and_local_data_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setattr(tpu_lib, "_initialize", lambda name: FakeResolver(name, hosts=4))
+    resolver = tpu_lib.connect_tpu(None, {"TPU_NAME": "my-pod"}, str(tmp_path))
+    assert resolver.tpu == "my-pod" and tpu_lib.slice_hosts({}, str(tmp_path)) == 4
+    with pytest.raises(DataError, match="4 hosts.*/data/tfds.*gs://BUCKET"):
+        check_data_dir_for_slice("/data/tfds")
+    with pytest.raises(DataError, match="TFDS's default"):
+        check_data_dir_for_slice(None)
+    check_data_dir_for_slice("gs://bucket/tensorflow_datasets")
+
+
+def test_one_host_reads_local_data():
+    check_data_dir_for_slice("/data/tfds", hosts=1)
+    check_data_dir_for_slice("/data/tfds")  # no TPU initialised, no TPU VM variables
+
+
+def test_every_failure_is_listed(monkeypatch, tmp_path):
+    def fail(name):
+        raise ValueError(f"Could not reach {name}\nmore detail")
+
+    monkeypatch.setattr(tpu_lib, "_initialize", fail)
+    root = fake_machine(tmp_path, pci=[V5E])
+    with pytest.raises(TPUNotFoundError) as info:
+        tpu_lib.connect_tpu(None, {"TPU_NAME": "pod"}, root)
+    message = str(info.value)
+    assert "(tpu='pod') because TPU_NAME is set" in message and "Could not reach pod" in message
+    assert "(tpu='local') because this is a TPU VM (1 TPU chip(s)" in message
+    assert "more detail" not in message and 'tfpar[tpu]' in message
+
+
+# -- auto ------------------------------------------------------------------------------
+
+def test_auto_falls_back_with_one_line_when_the_tpu_does_not_answer(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(tpu_lib, "_initialize", lambda name: (_ for _ in ()).throw(
+        RuntimeError("No OpKernel was registered to support Op 'ConfigureDistributedTPU'")))
+    root = fake_machine(tmp_path, pci=[V5E])
+    kind, _, reason, resolver = factory._auto(None, None, root)  # pylint: disable=protected-access
+    assert (kind, resolver) == ("default", None) and "CPU" in reason
+    lines = [l for l in capsys.readouterr().out.splitlines() if l]
+    assert len(lines) == 1 and "ConfigureDistributedTPU" in lines[0] and "falling back" in lines[0]
+
+
+def test_auto_uses_the_tpu_that_answers(monkeypatch, tmp_path):
+    monkeypatch.setattr(tpu_lib, "_initialize", lambda name: FakeResolver(name))
+    root = fake_machine(tmp_path, pci=[V5E])
+    kind, _, reason, resolver = factory._auto(None, None, root)  # pylint: disable=protected-access
+    assert kind == "tpu" and resolver.tpu == "local" and "1 TPU chip" in reason
+
+
+def test_auto_does_not_fall_back_from_a_multi_host_slice(monkeypatch, tmp_path):
+    root = fake_machine(tmp_path, pci=[V5E] * 4)
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "h0,h1,h2,h3")
+    with pytest.raises(tpu_lib.TPUSliceError):
+        factory._auto(None, None, root)  # pylint: disable=protected-access
+
+
+def test_create_strategy_auto_on_this_machine_is_not_a_tpu():
+    assert tpu_lib.tpu_candidates(None, {}) == []   # CI machines: no TPU chip, node or variable
+    assert isinstance(tfpar.create_strategy("auto"), type(tfpar.create_strategy("default")))
