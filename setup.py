@@ -22,6 +22,18 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=7", "pytest-timeout", "nbclient", "nbformat", "ipykernel"],  # notebooks run in the tests
+        # TPU VMs (Colab, Kaggle, Cloud TPU): TensorFlow's TPU build is its own distribution,
+        # 2.20 the newest. `tensorflow` is pinned to the same version so the requirement above
+        # does not pull 2.21 beside it; install tensorflow-tpu last (docs/tpu.md) so its files
+        # win. google-api-python-client + oauth2client: what TPUClusterResolver(tpu=NAME)
+        # needs to resolve a named TPU / pod slice (cloud-tpu-client 0.10 would pin
+        # google-api-python-client==1.8.0 from 2020).
+        "tpu": [
+            'tensorflow==2.20.*; sys_platform == "linux"',
+            'tensorflow-tpu==2.20.*; sys_platform == "linux"',
+            "google-api-python-client",
+            "oauth2client",
+        ],
     },
     entry_points={
         "console_scripts": [

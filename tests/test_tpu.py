@@ -143,3 +143,35 @@ def test_auto_does_not_fall_back_from_a_multi_host_slice(monkeypatch, tmp_path):
 def test_create_strategy_auto_on_this_machine_is_not_a_tpu():
     assert tpu_lib.tpu_candidates(None, {}) == []   # CI machines: no TPU chip, node or variable
     assert isinstance(tfpar.create_strategy("auto"), type(tfpar.create_strategy("default")))
+
+
+# -- the notebook's install cell ---------------------------------------------------------
+
+def install_cell_runs(monkeypatch, environ):
+    """Executes the TPU notebook's first code cell with pip recorded, not run."""
+    import subprocess
+
+    import nbformat
+    from procs import REPO
+
+    book = nbformat.read(REPO / "colab" / "tpu_keras_fit.ipynb", as_version=4)
+    cell = next(c for c in book.cells if c.cell_type == "code")
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda args, check: calls.append(args[4:]))
+    for var, value in environ.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setenv("TFPAR_SOURCE", str(REPO))
+    exec(compile(cell.source, "install-cell", "exec"), {})  # pylint: disable=exec-used
+    return calls
+
+
+def test_the_notebook_installs_nothing_off_a_tpu(monkeypatch, capsys):
+    assert install_cell_runs(monkeypatch, {}) == []
+    assert "nothing to install" in capsys.readouterr().out
+
+
+def test_the_notebook_installs_the_tpu_build_on_a_tpu_vm(monkeypatch):
+    from procs import REPO
+
+    calls = install_cell_runs(monkeypatch, {"TPU_ACCELERATOR_TYPE": "v5litepod-1"})
+    assert calls == [[f"{REPO}[tpu]"], ["--force-reinstall", "--no-deps", "tensorflow-tpu==2.20.*"]]
