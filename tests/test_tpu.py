@@ -157,7 +157,7 @@ def install_cell_runs(monkeypatch, environ):
     book = nbformat.read(REPO / "colab" / "tpu_keras_fit.ipynb", as_version=4)
     cell = next(c for c in book.cells if c.cell_type == "code")
     calls = []
-    monkeypatch.setattr(subprocess, "run", lambda args, check: calls.append(args[4:]))
+    monkeypatch.setattr(subprocess, "run", lambda args, check: calls.append(args[5:]))
     for var, value in environ.items():
         monkeypatch.setenv(var, value)
     monkeypatch.setenv("TFPAR_SOURCE", str(REPO))
