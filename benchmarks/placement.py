@@ -1,6 +1,6 @@
 """Benchmark: pipeline schedules of a 4-block GPT on logical CPUs, side by side.
 
-    python benchmarks/placement.py --out=benchmarks/results          # JSON + PNGs + one GIF
+    python benchmarks/placement.py            # benchmarks/results/schedules/: JSON, PNGs, one GIF
     python benchmarks/placement.py --out=/tmp/b --stages=2 --micro-batches=4 --batch=32 --rounds=1
 
 For each schedule (gpipe, 1f1b, interleaved with v = 2, zb-h1), S in {2, 4} devices and M in
@@ -165,7 +165,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--out", default="benchmarks/results/schedules")
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     parser.add_argument("--stages", default="2,4")
     parser.add_argument("--micro-batches", default="4,8")
