@@ -13,5 +13,5 @@ from tfpar.placement import activations, schedules, timeline, tpu_cores
 from tfpar.placement.pipeline import SCHEDULES, Pipeline, schedule_order
 from tfpar.placement.plan import PlacementError, StageGroup, StagePlan, balanced, manual, stage_params
 
-__all__ = ["PlacementError", "activations", "schedules", "Pipeline", "SCHEDULES", "StageGroup", "StagePlan", "balanced",
-           "manual", "schedule_order", "stage_params", "timeline", "tpu_cores"]
+__all__ = ["PlacementError", "Pipeline", "SCHEDULES", "StageGroup", "StagePlan", "activations", "balanced",
+           "manual", "schedule_order", "schedules", "stage_params", "timeline", "tpu_cores"]

@@ -290,9 +290,9 @@ class _Step:
 
     def _weights(self, g, m, _, deps):
         frontier, weight_grads = self.weights.pop((g, m))
-        for op in frontier:  # W's first ops wait for the device's previous unit
-            for dep in deps:
-                op._add_control_input(dep if isinstance(dep, tf.Operation) else dep.op)  # noqa: SLF001 (TF's graph API has no public one)
+        for op in frontier:  # W's first ops wait for the device's previous unit; TF has no
+            for dep in deps:  # public API that adds a control input to an op already built
+                op._add_control_input(dep if isinstance(dep, tf.Operation) else dep.op)  # noqa: SLF001
         self._accumulate(g, weight_grads)
         return [t for t in weight_grads if t is not None]
 
