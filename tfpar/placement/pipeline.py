@@ -36,7 +36,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable
 
 import tensorflow as tf
