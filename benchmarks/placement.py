@@ -1,19 +1,25 @@
-"""Benchmark: pipeline parallelism of gpt_tiny on logical CPUs, 2 and 4 stages, M micro-batches.
+"""Benchmark: pipeline schedules of a 4-block GPT on logical CPUs, side by side.
 
-    python benchmarks/placement.py --out=bench_out            # JSON + PNGs in bench_out/
+    python benchmarks/placement.py            # benchmarks/results/schedules/: JSON, PNGs, one GIF
+    python benchmarks/placement.py --out=/tmp/b --stages=2 --micro-batches=4 --batch=32 --rounds=1
 
-Global batch 256 sequences of 128 bytes (--batch): with micro-batches of 32, each op is
-big enough that the executor's per-op cost does not swamp it (at batch 32, M=8 units of 4
-sequences ran ~1.7x slower per sequence than unsplit). The CPU is split into 4 logical
-devices with intra_op=1 and inter_op=4 threads, so each op runs on one core and ops of
-different stages can run at once: the stages overlap only as much as the schedule lets
-them. For S in {2, 4} and M in {1, 2, 4, 8} (gpipe, balanced by parameters) it reports the
-time of a whole training step (tfpar.Trainer with the pipeline; every setting is built and
-warmed first, then all are timed in interleaved rounds and the median kept, since this VM
-drifts by +-20% over minutes), the bubble measured from the recorded schedule (units timed
-inside the graph) beside the theoretical (S - 1) / (M + S - 1), and the parameter bytes on
-each device. The baseline is the same model unsplit on one device. A Gantt chart of each
-measured schedule is written next to the JSON. Speed lives here, never in tests.
+For each schedule (gpipe, 1f1b, interleaved with v = 2, zb-h1), S in {2, 4} devices and M in
+{4, 8} micro-batches it traces one forward + backward step with the units timed inside
+the graph (`Pipeline(record=True)`) and reports:
+- ms/step: wall time of that step (the optimizer update, the same for every schedule, is
+  left out); every setting is traced and warmed first, then all are timed in interleaved
+  rounds and the median kept (this machine drifts, and is shared);
+- the bubble measured from the recorded units, beside its theory at equal unit durations
+  (`Pipeline.bubble_theory()`) and beside the same schedule replayed with each unit's
+  measured median duration (`schedules.simulate`: what the order alone costs on these
+  unit times, without the executor's gaps);
+- activation memory: per device, the peak bytes of saved activations, counted from the
+  traced step (`pipe.activation_bytes`).
+It writes a Gantt chart per setting and ONE animated GIF of the schedules at S=2, M=8 (or
+the first S and the largest M asked for) playing side by side on one clock, from measured
+timings. The CPU is split into 4 logical devices with intra_op=1 and inter_op=4 threads,
+so stages overlap only as the schedule lets them. Plans are balanced by counted FLOPs.
+Speed lives here, never in tests.
 """
 
 from __future__ import annotations
@@ -35,155 +41,179 @@ from tfpar.strategy import runtime  # noqa: E402
 
 DEVICES = runtime.split_devices(4)
 
-import keras  # noqa: E402
+import numpy as np  # noqa: E402
 
-from tfpar import data as data_lib  # noqa: E402
 from tfpar import placement  # noqa: E402
-from tfpar.loop import Trainer  # noqa: E402
 from tfpar.models import GPT  # noqa: E402
-from tfpar.recipes import SmoothedSparseCrossentropy  # noqa: E402
+from tfpar.placement import costs, schedules, timeline  # noqa: E402
 
-SEQ = 128
-BATCH = 32  # set from --batch in main
-
-
-def gpt_tiny():
-    return GPT(vocab_size=256, max_len=SEQ, dim=128, depth=2, heads=4)
+SEQ, VOCAB = 128, 256
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
-def loss_share(denominator):
-    loss = SmoothedSparseCrossentropy()
-
-    def share(y, logits, w):
-        return tf.reduce_sum(tf.cast(loss.call(y, logits), tf.float32) * w) / denominator
-    return share
+def gpt():
+    """gpt_tiny's width at depth 4: 10 stages, enough for 4 devices x 2 chunks."""
+    return GPT(vocab_size=VOCAB, max_len=SEQ, dim=128, depth=4, heads=4)
 
 
-class Config:
-    """One setting (unsplit, or S stages x M micro-batches): its trainer, data and timings."""
+class Setting:
+    """One schedule x S x M: its pipeline, traced step and measurements."""
 
-    def __init__(self, splits, initial, stages: int = 1, micro_batches: int = 1):
-        self.stages, self.micro_batches, self.plan, self.pipe = stages, micro_batches, None, None
-        keras.utils.set_random_seed(0)
-        if stages == 1:
-            model = gpt_tiny()
-        else:
-            self.plan = placement.balanced(gpt_tiny(), [f"/cpu:{i}" for i in range(stages)])
-            with self.plan.scope():
-                model = gpt_tiny()
-            self.pipe = placement.Pipeline(model, self.plan, micro_batches=micro_batches,
-                                           schedule="gpipe", record=True)
-        model.set_weights(initial)
-        self.trainer = Trainer(model, keras.optimizers.AdamW(1e-3), SmoothedSparseCrossentropy(),
-                               placement=self.pipe, xla=False)
-        self.iterator = iter(data_lib.distribute_train(tf.distribute.get_strategy(), splits.train, BATCH))
-        self.times: list[float] = []
+    def __init__(self, model, cost, batch, schedule: str, stages: int, micro_batches: int):
+        self.schedule, self.stages, self.micro_batches = schedule, stages, micro_batches
+        chunks = 2 if schedule == "interleaved" else 1
+        self.plan = placement.balanced(model, DEVICES[:stages], cost=cost, chunks=chunks)
+        self.pipe = placement.Pipeline(model, self.plan, micro_batches=micro_batches,
+                                       schedule=schedule, record=True)
+        x, y = batch
+        denominator = float(np.prod(y.shape))
+
+        def share(y_part, logits, _):
+            values = tf.keras.losses.sparse_categorical_crossentropy(y_part, logits, from_logits=True)
+            return tf.reduce_sum(values) / denominator
+
+        @tf.function
+        def step():  # returns the gradients too, or they are pruned from the measured graph
+            loss, grads = self.pipe.forward_backward(x, y, None, share)
+            return self.pipe.timings, loss, grads
+
+        self.step, self.times, self.timings = step, [], []
+
+    @property
+    def name(self) -> str:
+        return f"{self.schedule} S={self.stages} M={self.micro_batches}"
 
     def run(self, steps: int) -> None:
         start = time.perf_counter()
-        self.trainer.train_steps(self.iterator, steps)
+        for _ in range(steps):
+            timings = self.step()[0]
         self.times.append((time.perf_counter() - start) / steps)
+        self.timings.append(timings.numpy())
 
-    def record(self, repeats: int, png: str) -> dict:
-        """The measured schedule of one forward + backward (median bubble of `repeats`)."""
-        x, y = next(self.iterator)[:2]
-        w = tf.ones(tf.shape(y), tf.float32)
+    def row(self, out: str) -> dict:
+        measured = [timeline.summarize(t, self.pipe.bubble_theory()) for t in self.timings]
+        typical = self.timings[len(self.timings) // 2]
+        png = os.path.join(out, f"pipeline_{self.schedule}_s{self.stages}_m{self.micro_batches}.png")
+        timeline.draw(typical, png, title=f"{self.name}:", theory=self.pipe.bubble_theory())
+        return {"schedule": self.schedule, "stages": self.stages, "micro_batches": self.micro_batches,
+                "chunks": self.plan.chunks, "step_ms": 1000 * statistics.median(self.times),
+                "step_ms_rounds": [1000 * t for t in self.times],
+                "bubble": float(statistics.median(m["bubble"] for m in measured)),
+                "bubble_theory": self.pipe.bubble_theory(),
+                "bubble_simulated": float(self._simulated(typical)),
+                "unit_ms": {k: 1000 * v for k, v in self._durations(typical, by_device=False).items()},
+                "activation_bytes": {str(k): v for k, v in self.pipe.activation_bytes.items()},
+                "activation_peak_bytes": max(v for k, v in self.pipe.activation_bytes.items()
+                                             if isinstance(k, int)),
+                "gantt": os.path.basename(png)}
 
-        @tf.function
-        def one():  # returns the gradients too, or they are pruned from the measured graph
-            loss, grads = self.pipe.forward_backward(x, y, w, loss_share(float(BATCH * SEQ)))
-            return self.pipe.timings, loss, grads
+    def _durations(self, timings, by_device=True) -> dict:
+        kinds = {0: "F", 1: "B", 2: "W"}
+        found = {}
+        for d, _, k, start, end, *_ in timings:
+            key = (kinds[int(k)], int(d)) if by_device else kinds[int(k)]
+            found.setdefault(key, []).append(end - start)
+        medians = {key: float(statistics.median(v)) for key, v in found.items()}
+        if self.schedule not in schedules.SPLIT_BACKWARD:  # a full backward: B + W, W = 0
+            medians.update({(("W", d) if by_device else "W"): 0.0 for d in range(self.stages)})
+        return medians
 
-        one()  # trace
-        summaries = [placement.timeline.summarize(one()[0].numpy()) for _ in range(repeats)]
-        placement.timeline.draw(one()[0].numpy(), png,
-                                title=f"gpt_tiny, {self.stages} stages, M={self.micro_batches}:")
-        return {"bubble": statistics.median(s["bubble"] for s in summaries),
-                "bubble_theory": summaries[0]["bubble_theory"],
-                "makespan_s": statistics.median(s["makespan_s"] for s in summaries),
-                "busy_s": statistics.median(s["busy_s"] for s in summaries)}
+    def _simulated(self, timings) -> float:
+        span = schedules.simulate(self.pipe.order, len(self.pipe.groups), self._durations(timings),
+                                  split_backward=True)
+        return schedules.bubble(span, self.stages)
+
+
+def goals(rows: list[dict]) -> dict:
+    """The issue's goals, checked on this run's numbers."""
+    def find(schedule, stages, m):
+        return next((r for r in rows if (r["schedule"], r["stages"], r["micro_batches"]) == (schedule, stages, m)), None)
+
+    result = {"bubble_within_5_points_of_theory": {
+        f"{r['schedule']} S={r['stages']} M={r['micro_batches']}": bool(abs(r["bubble"] - r["bubble_theory"]) <= 0.05)
+        for r in rows}}
+    base = find("1f1b", 2, 8)
+    for schedule, limit in (("zb-h1", 0.5), ("interleaved", 0.6)):
+        other = find(schedule, 2, 8)
+        if base and other and base["bubble"] > 0:
+            ratio = other["bubble"] / base["bubble"]
+            result[f"{schedule}_vs_1f1b_bubble_S2_M8"] = {"ratio": float(ratio), "goal": limit, "met": bool(ratio <= limit)}
+    return result
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    labels = [f"{r['schedule']}\nS{r['stages']} M{r['micro_batches']}" for r in rows]
+    xs = np.arange(len(rows))
+    left.bar(xs - 0.2, [r["bubble"] for r in rows], 0.4, label="measured")
+    left.bar(xs + 0.2, [r["bubble_theory"] for r in rows], 0.4, label="theory (equal units)")
+    left.set_ylabel("bubble fraction")
+    right.bar(xs, [r["activation_peak_bytes"] / 2**20 for r in rows])
+    right.set_ylabel("peak saved activations, largest device (MiB)")
+    for ax in (left, right):
+        ax.set_xticks(xs, labels, fontsize=6)
+    left.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="bench_out")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--micro-batches", default="1,2,4,8")
+    parser.add_argument("--out", default="benchmarks/results/schedules")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES))
     parser.add_argument("--stages", default="2,4")
-    parser.add_argument("--batch", type=int, default=256, help="global batch (sequences of 128)")
+    parser.add_argument("--micro-batches", default="4,8")
+    parser.add_argument("--batch", type=int, default=128, help="global batch (sequences of 128)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    global BATCH
-    BATCH = args.batch
     os.makedirs(args.out, exist_ok=True)
-    splits = data_lib.text_corpus(SEQ)
-    keras.utils.set_random_seed(0)
-    reference = gpt_tiny()
-    reference.build((None, SEQ))
-    initial = reference.get_weights()
-
-    configs = [Config(splits, initial)] + [
-        Config(splits, initial, stages, m)
-        for stages in map(int, args.stages.split(",")) for m in map(int, args.micro_batches.split(","))]
-    for config in configs:  # trace and warm every setting first
-        config.run(args.warmup)
-        config.times.clear()
-    for round_ in range(args.repeats):  # then time them side by side, round after round
-        for config in configs:
-            config.run(args.steps)
-        print(f"round {round_}: " + ", ".join(f"S={c.stages} M={c.micro_batches} {c.times[-1] * 1000:.0f} ms"
-                                             for c in configs), flush=True)
-    baseline = statistics.median(configs[0].times)
-    rows = []
-    for config in configs[1:]:
-        plan = config.plan
-        total = sum(g.params for g in plan.groups)
-        row = {"stages": config.stages, "micro_batches": config.micro_batches,
-               "step_s": statistics.median(config.times), "step_s_rounds": config.times,
-               **config.record(args.repeats, os.path.join(
-                   args.out, f"pipeline_s{config.stages}_m{config.micro_batches}.png")),
-               "param_bytes_per_device": {g.device: 4 * g.params for g in plan.groups},
-               "largest_stage_share": max(g.params for g in plan.groups) / total,
-               "plan": plan.table()}
-        rows.append(row)
-        print(f"S={row['stages']} M={row['micro_batches']}: {row['step_s'] * 1000:.1f} ms/step, bubble "
-              f"{row['bubble']:.2f} (theory {row['bubble_theory']:.2f}), largest stage "
-              f"{row['largest_stage_share']:.2f}", flush=True)
-    for row in rows:
-        first = next(r for r in rows if r["stages"] == row["stages"] and r["micro_batches"] == 1)
-        row["speedup_vs_m1"] = first["step_s"] / row["step_s"]
-        row["speedup_vs_unsplit"] = baseline / row["step_s"]
-        # > 1: the same work took longer in total once stages overlapped (shared cores)
-        row["busy_vs_m1"] = row["busy_s"] / first["busy_s"]
-    result = {"model": "gpt_tiny", "seq_len": SEQ, "global_batch": BATCH, "schedule": "gpipe",
+    model = gpt()
+    rng = np.random.RandomState(0)
+    tokens = rng.randint(0, VOCAB, size=(args.batch, SEQ + 1)).astype("int32")
+    batch = (tf.constant(tokens[:, :-1]), tf.constant(tokens[:, 1:]))
+    cost = costs.flops(model, batch[0][:8])
+    settings = [Setting(model, cost, batch, schedule, stages, m)
+                for stages in map(int, args.stages.split(",")) for m in map(int, args.micro_batches.split(","))
+                for schedule in args.schedules.split(",")
+                if schedule != "interleaved" or (m % stages == 0 and 2 * stages <= len(model.stages()))]
+    for setting in settings:  # trace and warm every setting first
+        setting.run(args.warmup)
+        setting.times.clear(), setting.timings.clear()
+        print(f"traced {setting.name}", flush=True)
+    for round_ in range(args.rounds):  # then time them side by side, round after round
+        for setting in settings:
+            setting.run(args.steps)
+        print(f"round {round_}: " + ", ".join(f"{s.name} {s.times[-1] * 1000:.0f} ms" for s in settings), flush=True)
+    rows = [s.row(args.out) for s in settings]
+    for r in rows:
+        print(f"{r['schedule']:>11} S={r['stages']} M={r['micro_batches']}: {r['step_ms']:7.1f} ms/step, bubble "
+              f"{r['bubble']:.3f} (theory {r['bubble_theory']:.3f}, replayed {r['bubble_simulated']:.3f}), "
+              f"peak activations {r['activation_peak_bytes'] / 2**20:.1f} MiB", flush=True)
+    shown_s, shown_m = rows[0]["stages"], max(r["micro_batches"] for r in rows if r["stages"] == rows[0]["stages"])
+    if any(r["stages"] == 2 and r["micro_batches"] == 8 for r in rows):
+        shown_s, shown_m = 2, 8
+    shown = [s for s in settings if (s.stages, s.micro_batches) == (shown_s, shown_m)]
+    timeline.animate({s.schedule: s.timings[len(s.timings) // 2] for s in shown},
+                     os.path.join(args.out, "pipeline_schedules.gif"),
+                     title=f"4-block GPT on {shown_s} logical CPUs, M={shown_m}, measured",
+                     theories={s.schedule: s.pipe.bubble_theory() for s in shown})
+    plot(rows, os.path.join(args.out, "placement.png"))
+    result = {"model": "GPT depth 4, dim 128, 4 heads, vocab 256", "seq_len": SEQ, "global_batch": args.batch,
+              "step": "forward + backward (no optimizer update)",
               "threads": {"intra_op": 1, "inter_op": 4}, "logical_cpus": len(DEVICES),
-              "physical_cores": os.cpu_count(), "unsplit_step_s": baseline, "runs": rows}
+              "physical_cores": os.cpu_count(), "gif": "pipeline_schedules.gif",
+              "goals": goals(rows), "runs": rows}
     with open(os.path.join(args.out, "placement.json"), "w") as f:
         json.dump(result, f, indent=2)
-
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for stages in sorted({r["stages"] for r in rows}):
-        mine = [r for r in rows if r["stages"] == stages]
-        ms = [r["micro_batches"] for r in mine]
-        left.plot(ms, [r["step_s"] * 1000 for r in mine], "o-", label=f"{stages} stages")
-        right.plot(ms, [r["bubble"] for r in mine], "o-", label=f"{stages} stages, measured")
-        right.plot(ms, [r["bubble_theory"] for r in mine], "k--", alpha=0.4,
-                   label=f"{stages} stages, (S-1)/(M+S-1)")
-    left.axhline(baseline * 1000, color="grey", linestyle=":", label="unsplit, one device")
-    for ax in (left, right):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("micro-batches M")
-        ax.legend(fontsize=8)
-    left.set_ylabel("ms / step")
-    right.set_ylabel("bubble fraction")
-    fig.suptitle(f"gpt_tiny pipeline on logical CPUs ({os.cpu_count()} cores, intra_op=1)")
-    fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "placement.png"), dpi=120)
+    print(json.dumps(result["goals"], indent=1), flush=True)
 
 
 if __name__ == "__main__":

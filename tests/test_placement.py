@@ -1,5 +1,7 @@
 """Layer placement: plans, and pipelines whose loss and gradients equal the unsplit model's."""
 
+import contextlib
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -76,11 +78,11 @@ def test_pipeline_loss_and_gradients_equal_the_unsplit_model(schedule, micro_bat
 
 
 def test_schedule_orders():
-    assert placement.schedule_order("1f1b", 2, 4) == [
+    assert [[(k, m) for k, _, m in o] for o in placement.schedule_order("1f1b", 2, 4)] == [
         [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)],
         [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("F", 3), ("B", 3)]]
-    gpipe = placement.schedule_order("gpipe", 2, 2)[0]
-    assert gpipe == [("F", 0), ("F", 1), ("B", 1), ("B", 0)]
+    gpipe = placement.schedule_order("gpipe", 2, 2)[1]
+    assert gpipe == [("F", 1, 0), ("F", 1, 1), ("B", 1, 1), ("B", 1, 0)]
 
 
 def test_trainer_with_a_pipeline_trains_like_the_unsplit_model(tmp_path):
@@ -119,10 +121,10 @@ def test_trainer_with_a_pipeline_trains_like_the_unsplit_model(tmp_path):
 
     # one recorded step: 2 stages x 4 micro-batches x (forward, backward), drawn
     timings = tf.function(lambda: (pipe.forward_backward(x, y, w, share), pipe.timings)[::-1])()[0].numpy()
-    assert timings.shape == (16, 5) and np.all(timings[:, 4] >= timings[:, 3])
-    units = {(int(s), int(m), int(k)): (a, b) for s, m, k, a, b in timings}
+    assert timings.shape == (16, 6) and np.all(timings[:, 4] >= timings[:, 3])
+    units = {(int(s), int(m), int(k)): (a, b) for s, m, k, a, b, _ in timings}
     for s, order in enumerate(pipe.order):  # each stage's units in schedule order, not overlapping
-        spans = [units[(s, m, 0 if kind == "F" else 1)] for kind, m in order]
+        spans = [units[(s, m, 0 if kind == "F" else 1)] for kind, _, m in order]
         assert all(prev[1] <= nxt[0] for prev, nxt in zip(spans, spans[1:])), s
     for m in range(4):  # data dependencies: stage 1's forward follows stage 0's; backward, reversed
         first, then = units[(0, m, 0)], units[(1, m, 0)]
@@ -236,7 +238,12 @@ def test_a_tpu_pipeline_annotates_each_stage_with_its_core(monkeypatch):
 
     class RecordingStrategy:  # stands in for TPUStrategy: records the annotations
         def __init__(self):
-            self.cores = []
+            self.cores, self.scopes = [], []
+            self.extended = self
+
+        def experimental_logical_device(self, core):
+            self.scopes.append(core)
+            return contextlib.nullcontext()
 
         def experimental_assign_to_logical_device(self, tensor, core):
             self.cores.append(core)
@@ -257,6 +264,7 @@ def test_a_tpu_pipeline_annotates_each_stage_with_its_core(monkeypatch):
         np.testing.assert_allclose(tf.convert_to_tensor(g), tf.convert_to_tensor(e), rtol=1e-5, atol=1e-6)
     # each micro-batch enters stage 0 and stage 1 forward, and stage 0's gradient comes back
     assert sorted(recorder.cores) == [0, 0, 0, 0, 1, 1]
+    assert sorted(recorder.scopes) == [0] * 4 + [1] * 4  # every unit under its stage's core
 
 
 def test_plans_balance_by_counted_flops_and_measured_seconds():
@@ -277,15 +285,18 @@ def test_plans_balance_by_counted_flops_and_measured_seconds():
         placement.balanced(model, DEVICES[:2], cost={n: 1.0 for n in names[:-1]})
 
 
-def test_placement_read_from_the_executed_graphs():
+@pytest.mark.parametrize("schedule", ["gpipe", pytest.param("interleaved", marks=pytest.mark.slow),
+                                      pytest.param("zb-h1", marks=pytest.mark.slow)])
+def test_placement_read_from_the_executed_graphs(schedule):
     """The placer's log of the executed train step: every matrix product of a stage, forward
-    and backward, and every optimizer update of its variables runs on its stage's device."""
+    and backward (zb-h1: B and W), and every optimizer update of its variables runs on its
+    stage's device (interleaved: two groups per device)."""
     import json
     import re
 
     import procs
 
-    result = procs.run_python([str(procs.SCRIPTS / "placement_log.py")])
+    result = procs.run_python([str(procs.SCRIPTS / "placement_log.py"), schedule])
     assert result.returncode == 0, result.stderr[-3000:]
     info = json.loads(result.stdout.strip().splitlines()[-1])
     placed = [m.groups() for m in re.finditer(r"^(\S+): \((\w+)\): \S*device:CPU:(\d+)$",

@@ -1,5 +1,6 @@
-"""Runs one training step of a 2-stage, 2-micro-batch gpipe GPT with TensorFlow's device
-placement log on, for tests/test_placement.py: the placer's decisions for the executed
+"""Runs one training step of a GPT pipelined on 2 devices, 2 micro-batches, with the
+schedule named by argv[1] (gpipe by default; interleaved puts 2 stage groups on each
+device), with TensorFlow's device placement log on, for tests/test_placement.py: the placer's decisions for the executed
 function graphs are printed as `name: (OpType): device` lines, which the test reads.
 
 Prints, last, one JSON line: {"stages": {stage name: device index}, "layers": {stage name:
@@ -8,6 +9,7 @@ layer name}, "variables_per_device": {index: count}} so the test can match op na
 
 import json
 import os
+import sys
 
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
 
@@ -33,11 +35,12 @@ def small_gpt():
 
 template = small_gpt()
 template.build((None, 8))
-plan = placement.balanced(template, ["/cpu:0", "/cpu:1"])
+schedule = sys.argv[1] if len(sys.argv) > 1 else "gpipe"
+plan = placement.balanced(template, ["/cpu:0", "/cpu:1"], chunks=2 if schedule == "interleaved" else 1)
 with plan.scope():
     model = small_gpt()
     model.build((None, 8))
-pipe = placement.Pipeline(model, plan, micro_batches=2, schedule="gpipe")
+pipe = placement.Pipeline(model, plan, micro_batches=2, schedule=schedule)
 trainer = Trainer(model, keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   placement=pipe)
 x = np.random.RandomState(0).randint(0, 32, size=(4, 8)).astype("int32")

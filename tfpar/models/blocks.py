@@ -13,12 +13,57 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import keras
+import tensorflow as tf
 from keras import layers, ops
 
 from tfpar.models.staged import Stage
 
 PACKAGE = "tfpar"
+_RECOMPUTE_CORE: contextvars.ContextVar = contextvars.ContextVar("recompute_core", default=False)
+
+
+@contextlib.contextmanager
+def recompute_attention_core(enabled: bool = True):
+    """Selective recompute (Megatron's): attention calls traced inside keep only the
+    core's inputs (Q, K, V, mask) for the backward and recompute softmax(QK^T/sqrt(d)) V
+    there; the linear layers' activations are kept. The probabilities, [B, heads, T, T],
+    are the largest activation of a block at long sequence lengths.
+
+    Example:
+        >>> with recompute_attention_core():
+        ...     loss = loss_fn(y, model(x, training=True))     # under a GradientTape
+    """
+    token = _RECOMPUTE_CORE.set(enabled)
+    try:
+        yield
+    finally:
+        _RECOMPUTE_CORE.reset(token)
+
+
+class CoreRecomputingAttention(layers.MultiHeadAttention):
+    """MultiHeadAttention whose core is recomputed in the backward inside
+    `recompute_attention_core()` (same weights, same numbers)."""
+
+    def _compute_attention(self, query, key, value, attention_mask=None, training=None,
+                           return_attention_scores=False, use_causal_mask=False):
+        parent = super()._compute_attention
+        if not _RECOMPUTE_CORE.get() or return_attention_scores:
+            return parent(query, key, value, attention_mask=attention_mask, training=training,
+                          return_attention_scores=return_attention_scores,
+                          use_causal_mask=use_causal_mask)
+        if self._dropout > 0.0 and training:
+            raise ValueError("Selective recompute would draw a second dropout mask in the "
+                             "backward: use attention dropout 0, or whole-stage remat=True.")
+
+        def core(q, k, v):  # (B, T, heads, head_dim) each
+            return parent(q, k, v, attention_mask=attention_mask, training=training,
+                          use_causal_mask=use_causal_mask)[0]
+
+        return tf.recompute_grad(core)(query, key, value), None
 
 
 @keras.saving.register_keras_serializable(PACKAGE)
@@ -29,7 +74,7 @@ class SelfAttentionStage(layers.Layer):
         super().__init__(**kwargs)
         self.dim, self.heads, self.dropout_rate, self.causal = dim, heads, dropout, causal
         self.norm = layers.LayerNormalization(epsilon=1e-5, name="norm")
-        self.attention = layers.MultiHeadAttention(
+        self.attention = CoreRecomputingAttention(
             num_heads=heads, key_dim=dim // heads, dropout=dropout, name="attention"
         )
         self.dropout = layers.Dropout(dropout)

@@ -5,22 +5,29 @@ own tape (`tape.gradient(..., output_gradients=dh)` under the same device scope:
 tape for the whole model TensorFlow would put later stages' backward ops on device 0).
 Activations go forward and their gradients back between devices. The batch is split into
 M micro-batches; gradients are summed over them, so loss and gradients equal the unsplit
-model's. The order of the work per stage is forced with control dependencies:
+model's. Each device's units run in its schedule's order (tfpar.placement.schedules),
+forced with control dependencies: `naive`, `gpipe`, `1f1b`, `interleaved` (a plan from
+`balanced(model, devices, chunks=v)`: v groups per device) and `zb-h1`.
 
-- `naive`: one micro-batch, stage after stage;
-- `gpipe`: every forward of every micro-batch, then every backward (fill, then drain);
-- `1f1b`: after S - s warm-up forwards, stage s alternates one backward and one forward, so
-  at most S micro-batches are in flight (less activation memory than GPipe).
+zb-h1 splits each backward in two units without computing anything twice: one
+`tape.gradient` call builds the stage's whole backward graph; the ops that only feed the
+weight gradients (X^T dY products, bias and norm sums) form the W unit, the rest (the
+input-gradient chain dY W^T ...) the B unit, and W's first ops get a control input from
+the unit that precedes W on the device. So B frees the next stage's wait early and W fills
+the bubbles; W keeps its inputs (the saved activations and dY) alive until it runs. It needs
+a traced step (tf.function; the Trainer traces one).
+
+`remat=True` recomputes each stage's forward in its backward (tf.recompute_grad);
+`remat="attention"` recomputes only the attention core (softmax and the two products
+around it) and keeps the linear layers' activations (Megatron's selective recompute).
+`pipe.activation_bytes` is the peak bytes of saved activations per device of the last
+traced step (tfpar.placement.activations).
 
 Under a hybrid plan (`plan.replicate(...)`, trained under `plan.strategy`) each replica
-runs its own pipeline on its own devices; the Trainer's aggregator then all-reduces the
-gradients across replicas, once per step, as for any data-parallel run.
-
-On a TPU (`tpu_cores.logical(plan)`) a stage's "device" is a logical core of the replica: the
-stage's input, and the gradient handed back to it, are annotated with that core instead.
-
-With `record=True` every unit of work (stage, micro-batch, forward/backward) is timed with
-`tf.timestamp()` before and after it, inside the graph: see tfpar.placement.timeline.
+runs its own pipeline on its own devices. On a TPU (`tpu_cores.logical(plan)`) a stage runs
+under `strategy.extended.experimental_logical_device(core)` and its inputs are annotated
+with that core. `record=True` times every unit with `tf.timestamp()` inside the graph (see
+tfpar.placement.timeline); not on TPU.
 
 Example:
     >>> pipe = Pipeline(model, plan, micro_batches=8, schedule="1f1b")
@@ -29,61 +36,96 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable
 
 import tensorflow as tf
 
-from tfpar.placement import tpu_cores
+from tfpar.models.blocks import recompute_attention_core
+from tfpar.placement import activations, schedules, tpu_cores
 from tfpar.placement.plan import PlacementError, StagePlan
+from tfpar.placement.schedules import SCHEDULES
 
-SCHEDULES = ("naive", "gpipe", "1f1b")
+REMAT = {False: None, None: None, "none": None, True: "full", "full": "full", "attention": "attention"}
+KIND = {"F": 0, "B": 1, "W": 2}
 
 
-def schedule_order(schedule: str, stages: int, micro_batches: int) -> list[list[tuple[str, int]]]:
-    """Per stage, the order of its work units: ("F", m) and ("B", m)."""
-    m_all = range(micro_batches)
-    if schedule in ("naive", "gpipe"):
-        return [[("F", m) for m in m_all] + [("B", m) for m in reversed(m_all)]
-                for _ in range(stages)]
-    if schedule == "1f1b":
-        orders = []
-        for s in range(stages):
-            warm = min(stages - s, micro_batches)
-            order = [("F", m) for m in range(warm)]
-            forward, backward = warm, 0
-            while backward < micro_batches:
-                order.append(("B", backward))
-                backward += 1
-                if forward < micro_batches:
-                    order.append(("F", forward))
-                    forward += 1
-            orders.append(order)
-        return orders
-    raise PlacementError(f"Unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}.")
+def schedule_order(schedule: str, stages: int, micro_batches: int, chunks: int = 1):
+    """Per device, the order of its units (kind, group, micro-batch); see schedules.order."""
+    return schedules.order(schedule, stages, stages * chunks, micro_batches)
+
+
+def check(plan: StagePlan, micro_batches: int, schedule: str, remat, record: bool) -> None:
+    """Refuses a combination that cannot run, saying what would."""
+    if schedule not in SCHEDULES:
+        raise PlacementError(f"Unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}.")
+    if remat not in REMAT:
+        raise PlacementError(f"remat={remat!r}: use False, True (whole stage) or 'attention' (selective).")
+    if micro_batches < 1 or (schedule == "naive" and micro_batches != 1):
+        raise PlacementError("micro_batches must be >= 1 (and 1 for the naive schedule).")
+    S, groups = len(plan.stage_devices), len(plan.groups)
+    round_robin = groups % S == 0 and all(plan.device_index(g) == g % S for g in range(groups))
+    if schedule == "interleaved":
+        if not round_robin or groups < 2 * S:
+            raise PlacementError("schedule='interleaved' needs v >= 2 stage groups per device, round "
+                                 "robin: plan = balanced(model, devices, chunks=2).")
+        if micro_batches % S:
+            raise PlacementError(f"schedule='interleaved' runs micro-batches in rounds of S = {S}: "
+                                 f"micro_batches must be a multiple of {S} (got {micro_batches}).")
+    elif groups != S:
+        raise PlacementError(f"This plan puts {groups} groups on {S} devices; schedule={schedule!r} "
+                             "needs one group per device (balanced(model, devices)): use "
+                             "schedule='interleaved' for a plan with chunks.")
+    if schedule in schedules.SPLIT_BACKWARD and REMAT[remat] == "full":
+        raise PlacementError(f"schedule={schedule!r} splits each backward into B and W; whole-stage "
+                             "remat would recompute the forward for both: use remat='attention' "
+                             "(selective), or remat=True with schedule='1f1b'.")
+    if record and any(tpu_cores.is_logical(d) for d in plan.devices):
+        raise PlacementError("record=True times units with tf.timestamp inside the step, which XLA "
+                             "cannot compile into a TPU program: use record=False on TPU (and "
+                             "tf.profiler for a trace), or record on CPU/GPU devices.")
 
 
 class Pipeline:
     """Runs a StagedModel's stage groups on their devices (see module docstring)."""
 
     def __init__(self, model, plan: StagePlan, micro_batches: int = 1, schedule: str = "gpipe",
-                 remat: bool = False, record: bool = False):
-        if schedule not in SCHEDULES:
-            raise PlacementError(f"Unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}.")
-        if micro_batches < 1 or (schedule == "naive" and micro_batches != 1):
-            raise PlacementError("micro_batches must be >= 1 (and 1 for the naive schedule).")
+                 remat: bool | str = False, record: bool = False):
+        check(plan, micro_batches, schedule, remat, record)
         self.model, self.plan, self.micro_batches = model, plan, micro_batches
-        self.schedule, self.remat, self.record = schedule, remat, record
+        self.schedule, self.remat, self.record = schedule, REMAT[remat], record
         layers = dict(model.stages())
         self.groups = [[layers[n] for n in g.names] for g in plan.groups]
-        self.order = schedule_order(schedule, len(self.groups), micro_batches)
+        self.devices = len(plan.stage_devices)
+        self.order = schedules.order(schedule, self.devices, len(self.groups), micro_batches)
+        self.split = schedule in schedules.SPLIT_BACKWARD
+        self._sequence = self._data_order()
         self.timings_by_replica: dict[int, tf.Tensor] = {}
+        self.activation_bytes: dict[int, int] = {}
 
     @property
     def timings(self):
-        """Replica 0's recorded units of the last traced step, [units, 5]: stage,
-        micro-batch, 0 forward / 1 backward, start and end (seconds, tf.timestamp)."""
+        """Replica 0's recorded units of the last traced step, [units, 6]: device, micro-batch,
+        kind (0 forward, 1 backward or B, 2 W), start and end (s, tf.timestamp), group."""
         return self.timings_by_replica.get(0)
+
+    def bubble_theory(self) -> float:
+        """This schedule's bubble at equal unit durations (tfpar.placement.schedules)."""
+        return schedules.bubble_theory(self.schedule, self.devices, len(self.groups), self.micro_batches)
+
+    def _data_order(self) -> list[tuple]:
+        """All units, each after its inputs' units and its device's previous unit."""
+        pending, done, sequence = [list(o) for o in self.order], set(), []
+        last = len(self.groups) - 1
+        needs = {"F": lambda g, m: [("F", g - 1, m)] if g else [],
+                 "B": lambda g, m: [("F", g, m)] + ([("B", g + 1, m)] if g < last else []),
+                 "W": lambda g, m: [("B", g, m)]}
+        while any(pending):
+            ready = [p.pop(0) for p in pending if p and all(n in done for n in needs[p[0][0]](*p[0][1:]))]
+            if not ready:
+                raise PlacementError(f"Schedule {self.schedule} deadlocked (a bug in its order).")
+            sequence.extend(ready)
+            done.update(ready)
+        return sequence
 
     def _replica(self) -> int:
         """This replica's index (its row of the plan); 0 outside a hybrid plan."""
@@ -101,8 +143,11 @@ class Pipeline:
 
     @staticmethod
     def _on(device: str):
-        """Where a stage's ops go: its device (a TPU core is chosen by annotation instead)."""
-        return contextlib.nullcontext() if tpu_cores.is_logical(device) else tf.device(device)
+        """Where a stage's ops (and variables) go: its device, or its TPU logical core."""
+        if tpu_cores.is_logical(device):
+            extended = tf.distribute.get_strategy().extended
+            return extended.experimental_logical_device(tpu_cores.logical_core(device))
+        return tf.device(device)
 
     @staticmethod
     def _hand_to(device: str, tensor):
@@ -127,103 +172,151 @@ class Pipeline:
             manager.run_independently(stamp.op)
         return stamp
 
-    def _begin(self, deps):
-        """(start stamp or None, what the unit's first op must wait for)."""
-        if not self.record:
-            return None, deps
-        start = self._stamp(deps)
-        return start, [start]
-
     def _apply(self, s: int, h, training=True):
         def run(h):
             for layer in self.groups[s]:
                 h = layer(h, training=training)
             return h
-        return tf.recompute_grad(run)(h) if self.remat else run(h)
+        if self.remat == "full":
+            return tf.recompute_grad(run)(h)
+        with recompute_attention_core(self.remat == "attention"):
+            return run(h)
 
+    @tf.autograph.experimental.do_not_convert  # Python control flow only: trace it as is
     def forward_backward(self, x, y, w, loss_fn: Callable):
         """Loss and gradients (aligned with model.trainable_variables) of the whole batch.
 
         `loss_fn(y, logits, w)` returns the micro-batch's share of the batch loss (a sum
         over its examples divided by the whole batch's denominator), so shares add up.
+
+        Raises:
+            PlacementError: zb-h1 run eagerly (it needs a traced step).
         """
-        m_count, s_count = self.micro_batches, len(self.groups)
+        if self.split and tf.executing_eagerly():
+            raise PlacementError(f"schedule={self.schedule!r} splits the backward graph: run "
+                                 "forward_backward inside tf.function (tfpar.Trainer does).")
         replica = self._replica()
-        devices = self.plan.replica_devices[replica]
-        xs = tf.split(x, m_count)
-        ys = tf.split(y, m_count)
-        ws = tf.split(w, m_count) if w is not None else [None] * m_count
-        tapes, inputs, outputs, grads_in = {}, {}, {}, {}
-        losses = [None] * m_count
-        var_grads = [[None] * len(self.group_variables(s)) for s in range(s_count)]
-        last_unit = [None] * s_count  # control dependency chain per stage
-        stamps = []
-
-        def after(s, tensors):
-            deps = [t for t in tensors if t is not None]
-            if last_unit[s] is not None:
-                deps.append(last_unit[s])
-            return deps
-
-        pending = {s: list(order) for s, order in enumerate(self.order)}
-        # Walk the units in an order that respects data dependencies; control deps then
-        # fix each stage's own order.
-        while any(pending.values()):
-            progressed = False
-            for s in range(s_count):
-                if not pending[s]:
-                    continue
-                kind, m = pending[s][0]
-                ready = (kind == "F" and (s == 0 or (s - 1, m) in outputs)) or \
-                        (kind == "B" and (s, m) in outputs and (s == s_count - 1 or (s + 1, m) in grads_in))
-                if not ready:
-                    continue
-                pending[s].pop(0)
-                progressed = True
-                with self._on(devices[s]):
-                    if kind == "F":
-                        h_in = self._hand_to(devices[s], xs[m] if s == 0 else outputs[(s - 1, m)])
-                        start, deps = self._begin(after(s, [h_in]))
-                        with tf.control_dependencies(deps):
-                            h_in = tf.identity(h_in)  # the stage's work starts here
-                        tape = tf.GradientTape()
-                        with tape:
-                            if s > 0:
-                                tape.watch(h_in)
-                            out = self._apply(s, h_in)
-                            if s == s_count - 1:
-                                out = loss_fn(ys[m], out, ws[m])
-                                losses[m] = out
-                        tapes[(s, m)], inputs[(s, m)], outputs[(s, m)] = tape, h_in, out
-                        done = [out]
-                    else:
-                        upstream = self._hand_to(devices[s], grads_in.get((s + 1, m)))
-                        start, deps = self._begin(after(s, [upstream]))
-                        variables = self.group_variables(s)
-                        sources = variables + ([inputs[(s, m)]] if s > 0 else [])
-                        with tf.control_dependencies(deps):
-                            result = tapes.pop((s, m)).gradient(
-                                outputs[(s, m)], sources, output_gradients=upstream)
-                        for i, g in enumerate(result[:len(variables)]):
-                            g = tf.convert_to_tensor(g) if g is not None else None
-                            var_grads[s][i] = g if var_grads[s][i] is None else var_grads[s][i] + g
-                        if s > 0:
-                            grads_in[(s, m)] = result[-1]
-                        done = [g for g in result if g is not None]
-                    if self.record:  # the next unit of this stage starts after this one's end
-                        last_unit[s] = self._stamp(done)
-                        stamps.append((s, m, 0 if kind == "F" else 1, start, last_unit[s]))
-                    else:
-                        last_unit[s] = tf.group(*done)  # a token, not a stateful op (see _stamp)
-            if not progressed:
-                raise PlacementError(f"Schedule {self.schedule} deadlocked (a bug in its order).")
+        step = _Step(self, x, y, w, loss_fn, self.plan.replica_devices[replica])
+        for unit in self._sequence:
+            step.run(unit)
         if self.record:
-            self.timings_by_replica[replica] = tf.stack([tf.stack([tf.constant(s, tf.float64), tf.constant(m, tf.float64),
-                                               tf.constant(k, tf.float64), a, b])
-                                     for s, m, k, a, b in stamps])
-        loss = tf.add_n(losses)
-        grads_by_var = {}
-        for s in range(s_count):
-            for v, g in zip(self.group_variables(s), var_grads[s]):
-                grads_by_var[id(v)] = g
-        return loss, [grads_by_var.get(id(v)) for v in self.model.trainable_variables]
+            self.timings_by_replica[replica] = tf.stack(step.stamps)
+        if replica == 0 and step.graph is not None:
+            self.activation_bytes, unknown = activations.peak_bytes(
+                step.graph, step.regions, self.order, self.plan.device_index)
+            if unknown:
+                self.activation_bytes["unknown_tensors"] = unknown
+        grads = {id(v): g for s, gs in enumerate(step.var_grads)
+                 for v, g in zip(self.group_variables(s), gs)}
+        return tf.add_n(step.losses), [grads.get(id(v)) for v in self.model.trainable_variables]
+
+
+class _Step:
+    """One traced step's state: what each unit produced, per-device chains, op regions."""
+
+    def __init__(self, pipe: Pipeline, x, y, w, loss_fn, devices):
+        m_count = pipe.micro_batches
+        self.pipe, self.loss_fn, self.devices = pipe, loss_fn, devices
+        self.xs, self.ys = tf.split(x, m_count), tf.split(y, m_count)
+        self.ws = tf.split(w, m_count) if w is not None else [None] * m_count
+        self.tapes, self.inputs, self.outputs, self.grads_in, self.weights = {}, {}, {}, {}, {}
+        self.losses = [None] * m_count
+        self.var_grads = [[None] * len(pipe.group_variables(s)) for s in range(len(pipe.groups))]
+        self.last = [None] * pipe.devices  # each device's control chain
+        self.stamps = []
+        self.graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        self.regions = activations.Regions()
+
+    def _count(self) -> int:
+        return len(self.graph.get_operations()) if self.graph is not None else 0
+
+    def run(self, unit) -> None:
+        """Runs one unit on its device after the device's previous unit; times it if asked."""
+        kind, g, m = unit
+        d, device = self.pipe.plan.device_index(g), self.devices[g]
+        first = self._count()
+        with self.pipe._on(device):
+            arriving = {"F": lambda: self.xs[m] if g == 0 else self.outputs[(g - 1, m)],
+                        "B": lambda: self.grads_in.get((g + 1, m)), "W": lambda: None}[kind]()
+            arriving = self.pipe._hand_to(device, arriving)
+            deps = [t for t in (arriving, self.last[d]) if t is not None]
+            start = self.pipe._stamp(deps) if self.pipe.record else None
+            deps = [start] if start is not None else deps
+            done = {"F": self._forward, "B": self._backward, "W": self._weights}[kind](g, m, arriving, deps)
+            done = done or deps  # a unit with nothing to do (B of the first group) keeps the chain
+            if self.pipe.record:  # the device's next unit starts after this one's end
+                self.last[d] = self.pipe._stamp(done)
+                self.stamps.append(tf.stack([tf.constant(v, tf.float64) for v in (d, m, KIND[kind])]
+                                            + [start, self.last[d], tf.constant(g, tf.float64)]))
+            else:
+                self.last[d] = tf.group(*done)  # a token, not a stateful op (see _stamp)
+        self.regions.add(unit, first, self._count())
+
+    def _forward(self, g, m, h_in, deps):
+        with tf.control_dependencies(deps):
+            h_in = tf.identity(h_in)  # the stage's work starts here
+        if self.graph is not None:
+            self.regions.seeds[("F", g, m)] = h_in.op
+        tape = tf.GradientTape(persistent=False)
+        with tape:
+            if g > 0:
+                tape.watch(h_in)
+            out = self.pipe._apply(g, h_in)
+            if g == len(self.pipe.groups) - 1:
+                out = self.losses[m] = self.loss_fn(self.ys[m], out, self.ws[m])
+        self.tapes[(g, m)], self.inputs[(g, m)], self.outputs[(g, m)] = tape, h_in, out
+        return [out]
+
+    def _backward(self, g, m, upstream, deps):
+        """The stage's backward (zb-h1: all of it is built here, the W part set aside)."""
+        variables = self.pipe.group_variables(g)
+        sources = variables + ([self.inputs[(g, m)]] if g > 0 else [])
+        first = len(self.graph.get_operations()) if self.pipe.split else 0
+        with tf.control_dependencies(deps):
+            result = self.tapes.pop((g, m)).gradient(self.outputs[(g, m)], sources,
+                                                     output_gradients=upstream)
+            weight_grads = [tf.convert_to_tensor(r) if r is not None else None
+                            for r in result[:len(variables)]]
+        input_grad = result[-1] if g > 0 else None
+        if g > 0:
+            self.grads_in[(g, m)] = input_grad
+        if not self.pipe.split:
+            self._accumulate(g, weight_grads)
+            return [t for t in weight_grads + [input_grad] if t is not None]
+        self.weights[(g, m)] = (_weight_only_frontier(self.graph, first, weight_grads, input_grad,
+                                                      self.regions, ("W", g, m)), weight_grads)
+        return [input_grad] if input_grad is not None else []
+
+    def _weights(self, g, m, _, deps):
+        frontier, weight_grads = self.weights.pop((g, m))
+        for op in frontier:  # W's first ops wait for the device's previous unit; TF has no
+            for dep in deps:  # public API that adds a control input to an op already built
+                op._add_control_input(dep if isinstance(dep, tf.Operation) else dep.op)  # noqa: SLF001
+        self._accumulate(g, weight_grads)
+        return [t for t in weight_grads if t is not None]
+
+    def _accumulate(self, g, weight_grads) -> None:
+        for i, grad in enumerate(weight_grads):
+            total = self.var_grads[g][i]
+            self.var_grads[g][i] = grad if total is None or grad is None else total + grad
+
+
+def _weight_only_frontier(graph, first, weight_grads, input_grad, regions, unit) -> list:
+    """The ops built since position `first` that feed only the weight gradients (they are
+    moved to `unit` in `regions`); returns those without an input from another such op."""
+    built = {op.name: op for op in graph.get_operations()[first:]}
+
+    def ancestors(tensors):
+        seen, stack = set(), [t.op for t in tensors if t is not None and t.op.name in built]
+        while stack:
+            op = stack.pop()
+            if op.name not in seen:
+                seen.add(op.name)
+                stack.extend(t.op for t in op.inputs if t.op.name in built)
+        return seen
+
+    weight_only = ancestors(weight_grads) - ancestors([input_grad])
+    for name in weight_only:
+        regions.moved[name] = unit
+    return [built[n] for n in weight_only
+            if not any(t.op.name in weight_only for t in built[n].inputs)]

@@ -84,21 +84,38 @@ class StagePlan:
                 return i
         raise PlacementError(f"Stage {stage_name!r} is in no group of this plan.")
 
+    @property
+    def stage_devices(self) -> list[str]:
+        """The distinct devices, in order of their first group (S of them; an interleaved
+        plan has v groups on each)."""
+        return list(dict.fromkeys(self.devices))
+
+    @property
+    def chunks(self) -> int:
+        """Groups per device: v for an interleaved plan (`balanced(..., chunks=v)`), else 1."""
+        return len(self.groups) // len(self.stage_devices)
+
+    def device_index(self, group: int) -> int:
+        """Which of `stage_devices` runs group `group`."""
+        return self.stage_devices.index(self.groups[group].device)
+
     def replicate(self, devices: Sequence[str]) -> "StagePlan":
         """Hybrid data x pipeline parallelism: len(devices) / S copies of this plan, replica
-        r on devices[r*S:(r+1)*S] (S = number of groups). Build and train under `scope()`.
+        r on devices[r*S:(r+1)*S] (S = number of distinct stage devices). Build and train
+        under `scope()`.
 
         Example:
             >>> plan.replicate(["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"]).replica_devices
             (('/cpu:0', '/cpu:1'), ('/cpu:2', '/cpu:3'))
         """
-        stages, devices = len(self.groups), list(devices)
+        stages, devices = len(self.stage_devices), list(devices)
         if not devices or len(devices) % stages:
             raise PlacementError(f"A hybrid plan needs a multiple of {stages} devices (one per stage "
-                                 f"group per replica); got {len(devices)}.")
+                                 f"device per replica); got {len(devices)}.")
         if len(set(devices)) != len(devices):
             raise PlacementError(f"Devices repeat in {devices}: every (replica, stage) needs its own.")
-        rows = tuple(tuple(devices[r * stages:(r + 1) * stages]) for r in range(len(devices) // stages))
+        rows = tuple(tuple(devices[r * stages + self.device_index(g)] for g in range(len(self.groups)))
+                     for r in range(len(devices) // stages))
         groups = tuple(dataclasses.replace(g, device=d) for g, d in zip(self.groups, rows[0]))
         return StagePlan(groups, rows)
 
@@ -134,8 +151,10 @@ class StagePlan:
         if stage is None:  # not a stage's weight (optimizer slots follow their variable)
             return next_creator(**kwargs)
         device = self.device_of(stage, self._replica_here())
-        if is_logical(device):  # a TPU core: TPUStrategy places the variables
-            return next_creator(**kwargs)
+        if is_logical(device):  # a TPU core: TPUStrategy places it on the core in scope
+            core = int(device[len(LOGICAL):])
+            with tf.distribute.get_strategy().extended.experimental_logical_device(core):
+                return next_creator(**kwargs)
         with tf.device(device):
             return next_creator(**kwargs)
 
@@ -213,18 +232,29 @@ def manual(model, assignment: Mapping[str, str]) -> StagePlan:
 
 
 def balanced(model, devices: Sequence[str],
-             cost: Callable[[str, int], float] | Mapping[str, float] | None = None) -> StagePlan:
-    """Cuts the stages into len(devices) contiguous groups minimising the largest group's
-    cost: its parameter count by default, or a cost per stage name (a mapping, e.g.
+             cost: Callable[[str, int], float] | Mapping[str, float] | None = None,
+             chunks: int = 1) -> StagePlan:
+    """Cuts the stages into len(devices) * chunks contiguous groups minimising the largest
+    group's cost: its parameter count by default, or a cost per stage name (a mapping, e.g.
     `costs.flops(model, x)` or `costs.seconds(model, x)`, or `cost(name, params)`).
-    Exact: dynamic programming over the cut points.
+    Exact: dynamic programming over the cut points. With chunks = v >= 2 (for
+    schedule="interleaved") group g goes to devices[g % S], round robin.
 
     Example:
         >>> balanced(model, ["/cpu:0", "/cpu:1"], cost=costs.seconds(model, x)).table()
+        >>> balanced(model, ["/cpu:0", "/cpu:1"], chunks=2).devices
+        ['/cpu:0', '/cpu:1', '/cpu:0', '/cpu:1']
     """
     stages = stage_params(model)
-    if len(devices) > len(stages):
-        raise PlacementError(f"{len(devices)} devices but only {len(stages)} stages to place.")
+    parts = len(devices) * chunks
+    if chunks < 1:
+        raise PlacementError(f"chunks must be >= 1 (groups per device); got {chunks}.")
+    if parts > len(stages):
+        most = len(stages) // len(devices)
+        raise PlacementError(
+            f"{len(devices)} devices x {chunks} chunks = {parts} stage groups, but the model has "
+            f"only {len(stages)} stages: use " + (f"chunks <= {most}, " if most >= 1 else "")
+            + "fewer devices, or a deeper model.")
     if isinstance(cost, Mapping):
         missing = [n for n, _ in stages if n not in cost]
         if missing:
@@ -232,11 +262,12 @@ def balanced(model, devices: Sequence[str],
         weights = [float(cost[n]) for n, _ in stages]
     else:
         weights = [cost(n, p) if cost else p for n, p in stages]
-    cuts = _linear_partition(weights, len(devices))
+    cuts = _linear_partition(weights, parts)
     groups, start = [], 0
-    for device, stop in zip(devices, cuts):
+    for g, stop in enumerate(cuts):
         members = stages[start:stop]
-        groups.append(StageGroup(tuple(n for n, _ in members), device, sum(p for _, p in members)))
+        groups.append(StageGroup(tuple(n for n, _ in members), devices[g % len(devices)],
+                                 sum(p for _, p in members)))
         start = stop
     return StagePlan(tuple(groups))
 

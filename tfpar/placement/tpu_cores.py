@@ -6,11 +6,15 @@ asked for by annotating tensors with a logical core
 from a DeviceAssignment of S cores per replica. `logical(plan)` rewrites a plan's devices
 to `logical:0 .. logical:S-1`; the Pipeline then annotates each stage's input (and each
 gradient handed back) with its stage's core instead of entering `tf.device`. Variables
-are TPUStrategy's to place.
+created under TPUStrategy land on logical core 0 unless created under
+`strategy.extended.experimental_logical_device(s)`: build the model inside `plan.scope()`
+(inside `strategy.scope()`), which creates stage s's variables under core s.
 
 NOT YET RUN ON A TPU: this machine has none. The plan-to-core mapping (which cores form
 each replica, which logical core runs each stage) is unit-tested on topologies built in
-memory; the annotations are tested against a recording stand-in for the strategy.
+memory; the annotations, and the logical core each stage's variables are created under
+(`strategy.extended.experimental_logical_device(s)`, entered by `plan.scope()` and by the
+Pipeline for each stage), are tested against a recording stand-in for the strategy.
 
 Example (on a TPU VM):
     >>> resolver = tf.distribute.cluster_resolver.TPUClusterResolver("local")
@@ -18,7 +22,7 @@ Example (on a TPU VM):
     >>> topology = tf.tpu.experimental.initialize_tpu_system(resolver)
     >>> plan = tpu_cores.logical(balanced(model_template, ["a", "b"]))     # 2 stages
     >>> strategy = tpu_cores.tpu_strategy(resolver, topology, plan)           # replicas = cores / 2
-    >>> with strategy.scope():
+    >>> with strategy.scope(), plan.scope():
     ...     model = GPT.from_preset("tiny")
     >>> pipe = Pipeline(model, plan, micro_batches=8)
 """
@@ -41,13 +45,15 @@ def logical_core(device: str) -> int:
 
 
 def logical(plan: StagePlan) -> StagePlan:
-    """The same stage groups, group s on logical core s of every replica.
+    """The same stage groups, group s on logical core s of every replica (an interleaved
+    plan's group g on the core of its device, g % S).
 
     Example:
         >>> logical(plan).devices
         ['logical:0', 'logical:1']
     """
-    groups = tuple(dataclasses.replace(g, device=f"{LOGICAL}{s}") for s, g in enumerate(plan.groups))
+    groups = tuple(dataclasses.replace(g, device=f"{LOGICAL}{plan.device_index(s)}")
+                   for s, g in enumerate(plan.groups))
     return StagePlan(groups)
 
 

@@ -1,0 +1,232 @@
+"""Interleaved and zero-bubble pipeline schedules, selective recompute, activation memory,
+stages on TPU logical cores: each against the unsplit model's numbers."""
+
+import contextlib
+import functools
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfpar import placement
+from tfpar.models.gpt import GPT
+from tfpar.placement import schedules, tpu_cores
+
+DEVICES = ["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"]
+
+
+def gpt(depth=3):
+    """8 stages at depth 3: enough for 4 devices x 2 chunks."""
+    return GPT(vocab_size=32, max_len=8, dim=32, depth=depth, heads=2)
+
+
+def batch():
+    rng = np.random.RandomState(0)
+    x = rng.randint(0, 32, size=(8, 8)).astype("int32")
+    return tf.constant(x), tf.constant(np.roll(x, -1, axis=1)), tf.ones([8, 8])
+
+
+def share(y, logits, w):
+    values = tf.keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+    return tf.reduce_sum(values * w) / 64.0
+
+
+@functools.lru_cache(maxsize=1)
+def reference():
+    """One model shared by the tests (never trained) and its loss and gradients."""
+    model = gpt()
+    x, y, w = batch()
+    with tf.GradientTape() as tape:
+        loss = share(y, model(x), w)
+    return model, loss, tape.gradient(loss, model.trainable_variables)
+
+
+def run(schedule, stages, micro_batches, remat=False, record=False):
+    model, _, _ = reference()
+    chunks = 2 if schedule == "interleaved" else 1
+    plan = placement.balanced(model, DEVICES[:stages], chunks=chunks)
+    pipe = placement.Pipeline(model, plan, micro_batches=micro_batches, schedule=schedule,
+                              remat=remat, record=record)
+    x, y, w = batch()
+
+    @tf.function
+    def step():  # the timings are a tensor of the traced step: returned with it
+        loss, grads = pipe.forward_backward(x, y, w, share)
+        return loss, grads, pipe.timings if record else tf.zeros([0, 6], tf.float64)
+
+    loss, grads, timings = step()
+    return pipe, loss, grads, timings.numpy()
+
+
+def assert_like_unsplit(loss, grads):
+    _, expected_loss, expected = reference()
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5, atol=1e-6)
+    for g, e in zip(grads, expected):
+        np.testing.assert_allclose(tf.convert_to_tensor(g), tf.convert_to_tensor(e), rtol=1e-5, atol=1e-5)
+
+
+def test_orders_run_every_unit_once_and_meet_their_theory():
+    for stages in (2, 4):
+        for m in (1, 2, 4, 8):
+            assert schedules.bubble_theory("1f1b", stages, stages, m) == pytest.approx((stages - 1) / (m + stages - 1))
+            zb = schedules.bubble_theory("zb-h1", stages, stages, m)
+            assert zb < schedules.bubble_theory("1f1b", stages, stages, m)
+            orders = schedules.order("zb-h1", stages, stages, m)
+            assert [sorted(o) for o in orders] == [sorted((k, d, i) for k in "FBW" for i in range(m))
+                                                   for d in range(stages)]
+            if m % stages == 0:
+                theory = schedules.bubble_theory("interleaved", stages, 2 * stages, m)
+                assert theory == pytest.approx((stages - 1) / (2 * m + stages - 1))
+    # zb-h1 at S=2 reaches the paper's (S-1)(F+B-W) bubble: (S-1)/(3M+S-1) at F=B=W
+    assert schedules.bubble_theory("zb-h1", 2, 2, 8) == pytest.approx(1 / 25)
+    assert schedules.order("interleaved", 2, 4, 2)[1] == [
+        ("F", 1, 0), ("F", 1, 1), ("F", 3, 0), ("B", 3, 0), ("F", 3, 1), ("B", 3, 1), ("B", 1, 0), ("B", 1, 1)]
+    # at most S - d micro-batches forwarded ahead of their B on device d, as 1F1B
+    for d, order in enumerate(schedules.order("zb-h1", 4, 4, 8)):
+        ahead = [sum(k == "F" for k, _, _ in order[:i + 1]) - sum(k == "B" for k, _, _ in order[:i + 1])
+                 for i in range(len(order))]
+        assert max(ahead) <= 4 - d
+
+
+FAST = {("zb-h1", 2, 4), ("interleaved", 2, 4), ("zb-h1", 4, 2)}
+CASES = [(s, n, m) for s in ("gpipe", "1f1b", "interleaved", "zb-h1") for n in (2, 4) for m in (1, 2, 4, 8)
+         if s != "interleaved" or m % n == 0]
+
+
+@pytest.mark.parametrize("schedule,stages,micro_batches", [
+    pytest.param(*c, marks=() if c in FAST else pytest.mark.slow) for c in CASES])
+def test_each_schedule_equals_the_unsplit_model(schedule, stages, micro_batches):
+    pipe, loss, grads, timings = run(schedule, stages, micro_batches, record=True)
+    assert_like_unsplit(loss, grads)
+    units_per_mb = len(pipe.groups) * (3 if schedule == "zb-h1" else 2)
+    assert timings.shape == (units_per_mb * micro_batches, 6)
+    for d, order in enumerate(pipe.order):  # each device runs its units in order, one at a time
+        mine = {(int(g), int(m), int(k)): (a, b) for dev, m, k, a, b, g in timings if dev == d}
+        spans = [mine[(g, m, placement.pipeline.KIND[kind])] for kind, g, m in order]
+        assert all(prev[1] <= nxt[0] for prev, nxt in zip(spans, spans[1:])), d
+
+
+@pytest.mark.parametrize("schedule", [pytest.param("1f1b", marks=pytest.mark.slow), "zb-h1"])
+def test_selective_recompute_keeps_the_numbers_and_saves_the_attention_core(schedule):
+    saved = {}
+    for remat in ([False, "attention", True] if schedule == "1f1b" else [False, "attention"]):
+        pipe, loss, grads, _ = run(schedule, 2, 2, remat=remat)
+        assert_like_unsplit(loss, grads)
+        saved[remat] = sum(v for k, v in pipe.activation_bytes.items() if isinstance(k, int))
+    # the probabilities (B/M x heads x T x T floats, and the softmax's own saved copies) go
+    per_block = 4 * 2 * 8 * 8 * 4  # micro-batch 4, 2 heads, 8 x 8, fp32
+    assert saved[False] - saved["attention"] >= per_block
+    if True in saved:
+        assert saved[True] < saved["attention"]
+
+
+@pytest.mark.slow
+def test_activation_memory_follows_the_schedule():
+    gpipe = run("gpipe", 2, 4)[0]
+    one_f = run("1f1b", 2, 4)[0]
+    # device 0 holds all 4 micro-batches under gpipe, 2 (= S) under 1f1b; the same per micro-batch
+    assert gpipe.activation_bytes[0] == 2 * one_f.activation_bytes[0] > 0
+    assert gpipe.activation_bytes[1] == 4 * one_f.activation_bytes[1]  # the last stage: 1
+
+
+def test_bad_combinations_are_refused_at_start():
+    model = reference()[0]
+    two = placement.balanced(model, DEVICES[:2])
+    chunked = placement.balanced(model, DEVICES[:2], chunks=2)
+    assert chunked.devices == ["/cpu:0", "/cpu:1", "/cpu:0", "/cpu:1"] and chunked.chunks == 2
+    with pytest.raises(placement.PlacementError, match="multiple of 2 .got 3"):
+        placement.Pipeline(model, chunked, micro_batches=3, schedule="interleaved")
+    with pytest.raises(placement.PlacementError, match=r"chunks=2\)"):
+        placement.Pipeline(model, two, micro_batches=2, schedule="interleaved")
+    with pytest.raises(placement.PlacementError, match="use schedule='interleaved'"):
+        placement.Pipeline(model, chunked, micro_batches=2, schedule="1f1b")
+    with pytest.raises(placement.PlacementError, match="8 stage groups, but the model has only 6 stages: use chunks <= 1"):
+        placement.balanced(gpt(depth=2), DEVICES, chunks=2)
+    with pytest.raises(placement.PlacementError, match="remat='attention'"):
+        placement.Pipeline(model, two, micro_batches=2, schedule="zb-h1", remat=True)
+    with pytest.raises(placement.PlacementError, match="remat=.sometimes."):
+        placement.Pipeline(model, two, micro_batches=2, remat="sometimes")
+    with pytest.raises(placement.PlacementError, match="record=False on TPU"):
+        placement.Pipeline(model, tpu_cores.logical(two), micro_batches=2, record=True)
+    zb = placement.Pipeline(model, two, micro_batches=2, schedule="zb-h1")
+    with pytest.raises(placement.PlacementError, match="inside tf.function"):
+        zb.forward_backward(*batch(), share)
+
+
+class LogicalCoreStrategy:
+    """Stands in for TPUStrategy: `extended.experimental_logical_device(s)` scopes, and a
+    variable creator that puts a variable on the core in scope (TPUStrategy creates it on
+    `_tpu_devices[:, logical_device]`; /cpu:s stands in for core s)."""
+
+    def __init__(self):
+        self.stack, self.created, self.annotated = [0], [], []
+        self.extended = self
+
+    @contextlib.contextmanager
+    def experimental_logical_device(self, core):
+        self.stack.append(core)
+        try:
+            yield
+        finally:
+            self.stack.pop()
+
+    def experimental_assign_to_logical_device(self, tensor, core):
+        self.annotated.append(core)
+        return tf.identity(tensor)
+
+    def create(self, next_creator, **kwargs):
+        with tf.device(f"/cpu:{self.stack[-1]}"):
+            variable = next_creator(**kwargs)
+        self.created.append((variable.name, self.stack[-1]))
+        return variable
+
+
+def test_tpu_stage_variables_are_created_under_their_logical_core(monkeypatch):
+    strategy = LogicalCoreStrategy()
+    monkeypatch.setattr(tf.distribute, "get_strategy", lambda: strategy)
+    template = gpt()
+    plan = tpu_cores.logical(placement.balanced(template, DEVICES[:2], chunks=2))
+    assert plan.devices == ["logical:0", "logical:1", "logical:0", "logical:1"]
+    with tf.variable_creator_scope(strategy.create), plan.scope():  # the strategy's creator outside
+        model = gpt()
+    assert len(strategy.created) == len(model.weights)
+    for name, layer in model.stages():
+        core = tpu_cores.logical_core(plan.device_of(name))
+        for v in layer.weights:
+            assert tf.DeviceSpec.from_string(v.value.device).device_index == core, (name, v.path)
+    assert {core for _, core in strategy.created} == {0, 1}
+    model.set_weights(reference()[0].get_weights())
+    pipe = placement.Pipeline(model, plan, micro_batches=2, schedule="interleaved")
+    loss, grads = tf.function(lambda: pipe.forward_backward(*batch(), share))()
+    assert_like_unsplit(loss, grads)
+    # per micro-batch: 3 forward hand-overs into groups 1-3, 3 gradients back, 1 input into group 0
+    assert sorted(strategy.annotated) == sorted([0, 1, 0, 1] * 2 + [0, 1, 0] * 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["interleaved", "zb-h1"])
+def test_a_trainer_with_each_schedule_trains_like_the_unsplit_model(schedule):
+    import keras
+
+    from tfpar.loop import Trainer
+
+    x, y, w = batch()
+    dataset = tf.data.Dataset.from_tensors((x, y, w)).repeat()
+    keras.utils.set_random_seed(0)
+    base = gpt()
+    initial = base.get_weights()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    sgd = lambda: keras.optimizers.SGD(0.1, momentum=0.9)  # noqa: E731
+    Trainer(base, sgd(), loss, steps_per_loop=2).fit(dataset, steps=4)
+    plan = placement.balanced(base, DEVICES[:2], chunks=2 if schedule == "interleaved" else 1)
+    with plan.scope():
+        model = gpt()
+    model.set_weights(initial)
+    pipe = placement.Pipeline(model, plan, micro_batches=4, schedule=schedule, remat="attention")
+    Trainer(model, sgd(), loss, placement=pipe, steps_per_loop=2).fit(dataset, steps=4)
+    for a, b in zip(model.get_weights(), base.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    for name, layer in model.stages():
+        for v in layer.weights:
+            want = tf.DeviceSpec.from_string(plan.device_of(name)).device_index
+            assert tf.DeviceSpec.from_string(v.value.device).device_index == want
