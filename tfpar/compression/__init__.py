@@ -12,16 +12,18 @@ from __future__ import annotations
 from tfpar.compression.compressed_aggregator import Compression
 from tfpar.compression.compressors import (BF16, FP16, CompressionError, Compressor, Int8,
                                            NoCompression, Sign, TopK)
+from tfpar.compression.dgc import DGC
 from tfpar.compression.keras_fit import compress_fit
 from tfpar.compression.policy import Policy
 from tfpar.compression.powersgd import PowerSGD
 
 COMPRESSORS = {"none": NoCompression, "fp16": FP16, "bf16": BF16, "int8": Int8, "topk": TopK,
-               "powersgd": PowerSGD, "sign": Sign}
+               "powersgd": PowerSGD, "sign": Sign, "dgc": DGC}
 
 
 def get(name: str, **args) -> Compressor:
-    """A compressor by name: none, fp16, bf16, int8, topk(ratio=), powersgd(rank=), sign."""
+    """A compressor by name: none, fp16, bf16, int8, topk(ratio=), powersgd(rank=,
+    rank_schedule=), sign, dgc(ratio=, momentum=, clip_norm=, masking=, warmup_steps=, stages=)."""
     if isinstance(name, Compressor):
         return name
     key = name.lower()
@@ -57,6 +59,6 @@ def from_config(name: str, ratio: float = 0.01, rank: int = 4, min_size: int = 1
     return Compression(compressor, policy, reset_on_restore=reset_on_restore)
 
 
-__all__ = ["BF16", "COMPRESSORS", "Compression", "CompressionError", "Compressor", "FP16",
+__all__ = ["BF16", "COMPRESSORS", "Compression", "CompressionError", "Compressor", "DGC", "FP16",
            "Int8", "NoCompression", "Policy", "PowerSGD", "Sign", "TopK", "compress_fit", "from_config",
            "get"]
