@@ -191,7 +191,7 @@ def test_powersgd_bad_schedules_and_ranks_are_refused_at_start():
     with pytest.raises(C.CompressionError, match="is not 'RANK@STEP'"):
         C.PowerSGD(rank_schedule="4-0")
     compression = C.Compression(C.PowerSGD(rank=8), C.Policy(min_size=0))
-    with pytest.raises(C.CompressionError, match=r"rank 8 is larger than the matrix 'thin' \(6x50\)"):
+    with pytest.raises(C.CompressionError, match=r"rank 8 is larger than the matrix 'thin(:0)?' \(6x50\)"):
         compression.build([tf.Variable(tf.zeros([6, 50]), name="thin")])
     with pytest.raises(C.CompressionError, match="does not take"):
         C.get("powersgd", ratio=0.1)
