@@ -288,10 +288,12 @@ def teardown_link(workers: int = 8) -> None:
         _sh("ip", "netns", "del", ns, check=False)
 
 
-def setup_link(rate: str, workers: int, delay: str = "1ms") -> None:
+def setup_link(rate: str, workers: int, delay: str = "1ms") -> str:
     """One namespace per worker, veth pairs to a bridge in HUB, netem delay + tbf on each
-    worker's end (so every packet a worker sends is shaped once, at its own link)."""
+    worker's end (so every packet a worker sends is shaped once, at its own link). Returns
+    the qdisc chain installed: a kernel without sch_netem gets tbf alone, and says so."""
     teardown_link()
+    chains = set()
     _sh("ip", "netns", "add", HUB)
     _sh("ip", "-n", HUB, "link", "add", BRIDGE, "type", "bridge")
     _sh("ip", "-n", HUB, "link", "set", BRIDGE, "up")
@@ -304,10 +306,16 @@ def setup_link(rate: str, workers: int, delay: str = "1ms") -> None:
         _sh("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", inner)
         _sh("ip", "-n", ns, "link", "set", "lo", "up")
         _sh("ip", "-n", ns, "link", "set", inner, "up")
-        _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", inner, "root", "handle", "1:",
-            "netem", "delay", delay)
-        _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", inner, "parent", "1:", "handle", "2:",
+        netem = _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", inner, "root", "handle", "1:",
+                    "netem", "delay", delay, check=False).returncode == 0
+        _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", inner,
+            *(("parent", "1:", "handle", "2:") if netem else ("root", "handle", "1:")),
             "tbf", "rate", rate, "burst", "64kbit", "latency", "50ms")
+        chains.add(f"netem delay {delay} + tbf rate {rate}" if netem else
+                   f"tbf rate {rate} only (no sch_netem in this kernel: no added delay)")
+    if len(chains) == 1 and "only" in next(iter(chains)):
+        print(f"warning: {next(iter(chains))}", flush=True)
+    return " / ".join(sorted(chains))
 
 
 def qdisc_stats(workers: int) -> dict:
@@ -548,10 +556,10 @@ def _run_link(link: str, workers: int, args, workdir: str, meta: dict) -> dict:
     if os.geteuid() != 0:
         raise SystemExit(f"link {link} needs root (ip netns, tc); run --links=loopback without it")
     try:
-        setup_link(link, workers, args.delay)
-        info = {"rate": link, "delay": args.delay, "namespaces": namespaces(workers),
+        chain = setup_link(link, workers, args.delay)
+        info = {"rate": link, "delay": args.delay, "qdisc_chain": chain, "namespaces": namespaces(workers),
                 "addresses": addresses(workers), "bridge": f"{BRIDGE} in namespace {HUB}",
-                "qdisc": f"netem delay {args.delay} + tbf rate {link} burst 64kbit latency 50ms on each worker's veth",
+                "qdisc": f"{chain}, burst 64kbit latency 50ms, on each worker's veth",
                 **measure_link(args.probe_mb)}
         print(f"link {link}, {workers} workers: {info}", flush=True)
         chief = run_cluster(link, workers, args, workdir)

@@ -195,3 +195,121 @@ def test_powersgd_bad_schedules_and_ranks_are_refused_at_start():
         compression.build([tf.Variable(tf.zeros([6, 50]), name="thin")])
     with pytest.raises(C.CompressionError, match="does not take"):
         C.get("powersgd", ratio=0.1)
+
+
+# -- two worker processes --------------------------------------------------------------------
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_new_compressors_run_on_two_worker_processes(tmp_path):
+    """dgc, powersgd (start + rank schedule) and 1-bit Adam (its all-to-all) across two
+    processes: both workers end equal, bytes counted == analytic in every phase, and dgc at
+    density 1 equals one device with SGD + momentum."""
+    from procs import launch
+    from scripts import fit_model
+
+    result = launch(2, "compression_schedules_worker.py", str(tmp_path), timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:]
+    wires = [l.split()[1:] for l in result.stdout.splitlines() if "[worker:0] WIRE " in l]
+    assert {w[1] for w in wires} >= {"dgc_dense", "dgc", "powersgd", "onebit_adam"}, wires
+    for _, name, phase, counted, analytic in [l.split("] ")[1].split() for l in result.stdout.splitlines()
+                                              if "[worker:0] WIRE " in l]:
+        assert int(counted) == int(analytic) > 0, (name, phase, counted, analytic)
+
+    def load(name, worker):
+        saved = np.load(tmp_path / f"{name}_{worker}.npz")
+        return [saved[f"arr_{i}"] for i in range(len(saved.files))]
+
+    for name in ("dgc_dense", "dgc", "powersgd", "onebit_adam"):
+        for a, b in zip(load(name, 0), load(name, 1)):
+            np.testing.assert_array_equal(a, b)
+    with tf.distribute.get_strategy().scope():
+        model = fit_model.build_model()
+        model.set_weights(fit_model.initial_weights())
+    trainer = Trainer(model, keras.optimizers.SGD(0.1, momentum=0.9),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    trainer.fit(fit_model.dataset(), steps=fit_model.STEPS)
+    assert gap(load("dgc_dense", 0), model.get_weights()) < 1e-5
+
+
+# -- convergence, through the training binary -----------------------------------------------
+
+SGD = "optimizer.name=sgd;optimizer.momentum=0;optimizer.clip_norm=0"
+BINARY_RUNS = {
+    "dgc": f"dgc:compression_args.ratio=0.01;compression_args.sparsity_warmup_steps=100;"
+           f"compression_args.clip_norm=1.0;optimizer.learning_rate=0.3;{SGD}",
+    "onebit_adam": f"onebit_adam:compression_args.freeze_step=100;compression_args.clip_norm=1.0;{SGD}",
+    "powersgd": "powersgd:compression_args.rank_schedule=8@0,4@150;compression_args.warmup_steps=30",
+}
+
+
+@pytest.mark.slow
+def test_new_compressors_learn_the_reverse_task_through_the_binary(tmp_path):
+    """reverse_tiny on 2 replicas, 300 steps, through tfpar.train in loop mode: dgc(0.01)
+    with a density warm-up, 1-bit Adam after 100 Adam steps and PowerSGD with an
+    uncompressed start and a rank schedule each reach the exact-sequence accuracy that the
+    uncompressed run reaches (>= 0.95, see test_compression)."""
+    import json
+
+    from procs import SCRIPTS, run_python
+
+    done = run_python([str(SCRIPTS / "compression_convergence.py"), str(tmp_path), "300",
+                       *BINARY_RUNS.values()], timeout=1500)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = [json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert [r["compression"] for r in results] == list(BINARY_RUNS)
+    for result in results:
+        assert result["exact"] >= 0.95, result
+
+
+# -- config and Keras fit ----------------------------------------------------------------------
+
+def test_config_builds_the_new_compressors_and_refuses_what_cannot_work():
+    from tfpar.config import ConfigError, base_config, validate
+
+    config = base_config()
+    config.mode, config.compression = "loop", "dgc"
+    with pytest.raises(ConfigError, match="config.compression: dgc keeps the momentum .*--config.optimizer.name=sgd"):
+        validate(config)
+    config.optimizer.update(dict(name="sgd", momentum=0.0, clip_norm=0.0))
+    validate(config)
+    config.compression = "onebit_adam"
+    validate(config)
+    config.compression = "zip"
+    with pytest.raises(ConfigError, match="'zip' is not one of .*dgc, onebit_adam"):
+        validate(config)
+    dgc = C.from_config("dgc", ratio=0.001, sparsity_warmup_steps=100, clip_norm=1.0, embeddings=True)
+    assert isinstance(dgc.compressor, C.DGC) and dgc.compressor.warmup_steps == 100
+    assert not any("embed" in p for p in dgc.policy.skip)
+    psgd = C.from_config("powersgd", rank_schedule="8@0,4@300", warmup_steps=50)
+    assert psgd.compressor.stages_at() == [(0, 8), (300, 4)] and psgd.boundaries() == (50, 350)
+    assert isinstance(C.from_config("onebit_adam", freeze_step=7), C.OneBitAdam)
+    with pytest.raises(C.CompressionError, match="ends before its 4 stages start"):
+        C.from_config("dgc", sparsity_warmup_steps=3)
+
+
+def test_keras_fit_takes_dgc_and_refuses_phases_by_name(weights):
+    strategy = mirrored(2)
+
+    def fit(optimizer, compression=None):
+        with strategy.scope():
+            model = mlp()
+            model.set_weights(weights)
+            model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            if compression is not None:
+                C.compress_fit(model, compression)
+        model.fit(mlp_data(), epochs=1, verbose=0, shuffle=False)
+        return model.get_weights()
+
+    plain = fit(keras.optimizers.SGD(0.1, momentum=0.9))
+    got = fit(keras.optimizers.SGD(0.1), C.Compression(C.DGC(ratio=1.0), C.Policy(min_size=0)))
+    assert gap(got, plain) < 1e-5
+    model = mlp()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    for phased in (C.Compression(C.DGC(warmup_steps=8)), C.OneBitAdam(freeze_step=5),
+                   C.Compression(C.PowerSGD(rank_schedule="4@0,2@9"))):
+        with pytest.raises(C.CompressionError, match="changes phase at steps .* needs tfpar.Trainer"):
+            C.compress_fit(model, phased)
+    model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
+    with pytest.raises(C.CompressionError, match="dgc keeps the momentum itself"):
+        C.compress_fit(model, C.DGC())
