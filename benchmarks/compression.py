@@ -215,7 +215,8 @@ def _train_one(name, args, config, splits, strategy, eval_data, eval_steps, say)
                       steps_per_loop=args.steps_per_loop, compression=compression)
     train_data = data_lib.distribute_train(strategy, splits.train, args.batch)
     wire = _wire(trainer, compression, train_data, strategy.num_replicas_in_sync, args.steps)
-    local = next(iter(splits.train.batch(args.batch // strategy.num_replicas_in_sync, drop_remainder=True)))
+    local = next(iter(splits.train.build(training=False).batch(
+        args.batch // strategy.num_replicas_in_sync, drop_remainder=True)))
     compute_s = _compute_time(trainer, local)
     iterator = iter(train_data)
     curve = [[0, 0.0, evaluate(model, strategy, eval_data, eval_steps)["loss"]]]  # step, train s, val

@@ -295,14 +295,14 @@ def test_keras_fit_takes_dgc_and_refuses_phases_by_name(weights):
         with strategy.scope():
             model = mlp()
             model.set_weights(weights)
-            model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model.compile(optimizer=optimizer(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
             if compression is not None:
                 C.compress_fit(model, compression)
         model.fit(mlp_data(), epochs=1, verbose=0, shuffle=False)
         return model.get_weights()
 
-    plain = fit(keras.optimizers.SGD(0.1, momentum=0.9))
-    got = fit(keras.optimizers.SGD(0.1), C.Compression(C.DGC(ratio=1.0), C.Policy(min_size=0)))
+    plain = fit(lambda: keras.optimizers.SGD(0.1, momentum=0.9))
+    got = fit(lambda: keras.optimizers.SGD(0.1), C.Compression(C.DGC(ratio=1.0), C.Policy(min_size=0)))
     assert gap(got, plain) < 1e-5
     model = mlp()
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
@@ -313,3 +313,29 @@ def test_keras_fit_takes_dgc_and_refuses_phases_by_name(weights):
     model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
     with pytest.raises(C.CompressionError, match="dgc keeps the momentum itself"):
         C.compress_fit(model, C.DGC())
+
+
+# -- compression="auto" ------------------------------------------------------------------------
+
+def test_auto_picks_none_on_a_fast_link_and_compression_on_a_slow_one():
+    from tfpar.compression.auto import choose
+
+    ratios = {"none": 1.0, "fp16": 0.5, "powersgd": 0.05}
+    assert choose(link_s=0.01, compute_s=1.0, ratios=ratios)[0] in ("none", "fp16")
+    assert choose(link_s=0.0, compute_s=1.0, ratios=ratios)[0] == "none"
+    name, predicted = choose(link_s=4.0, compute_s=1.0, ratios=ratios)
+    assert name == "powersgd" and predicted["powersgd"] < predicted["none"] / 3
+
+
+def test_auto_measures_at_build_becomes_its_choice_and_says_why(weights):
+    strategy = mirrored(2)
+    slow = C.Auto(total_steps=20, link_s=10.0)  # a link measured as slow: compress
+    _, trainer, dataset = train(strategy, weights, slow, momentum=0.9, steps=4)
+    assert isinstance(slow.chosen.compressor, C.PowerSGD) and slow.boundaries() == (2,)
+    assert slow.decision.startswith("powersgd: link 10.000 s")
+    counted = C.accounting.bytes_per_replica(trainer.traced_step(dataset, "compressed"), in_loops_only=True)
+    assert counted == sum(slow.payload_bytes(trainer.model.trainable_variables).values())
+    measured = C.Auto(total_steps=20)  # timed here: two CPU replicas share memory, a fast link
+    train(strategy, weights, measured, momentum=0.9, steps=2)
+    assert measured.decision and measured.chosen is not None
+    assert C.from_config("auto", auto_total_steps=100).total_steps == 100

@@ -41,7 +41,8 @@ def base_config() -> ml_collections.ConfigDict:
         partition_shards=0, partition_min_bytes=0))
     c.precision = "float32"             # or mixed_bfloat16 / mixed_float16
     # Gradient compression (fit and loop): none | fp16 | bf16 | int8 | topk | powersgd | sign
-    # | dgc | onebit_adam (loop; dgc/onebit_adam need optimizer sgd, momentum 0, clip_norm 0).
+    # | dgc | onebit_adam (loop; dgc/onebit_adam need optimizer sgd, momentum 0, clip_norm 0)
+    # | auto (times the link and the compute at start, picks none, fp16 or powersgd; loop).
     c.compression = "none"
     c.compression_args = ml_collections.ConfigDict(dict(
         ratio=0.01,             # topk: fraction of entries sent
@@ -58,7 +59,8 @@ def base_config() -> ml_collections.ConfigDict:
         sparsity_warmup_steps=0,  # dgc: density ramp 25% -> ratio over these steps
         stages=4,               # dgc: stages of that ramp
         rank_schedule="",       # powersgd: "8@0,4@300" (steps after warmup_steps)
-        freeze_step=100))       # onebit_adam: Adam warm-up steps before 1-bit momentum
+        freeze_step=100,        # onebit_adam: Adam warm-up steps before 1-bit momentum
+        auto_total_steps=600))  # auto: the run's length (its powersgd starts after 10%)
     c.seed = 0
     c.model = "gpt"                     # gpt | encoder | vit
     c.model_args = ml_collections.ConfigDict(dict(dim=128, depth=2, heads=4, mlp_ratio=4, dropout=0.0))

@@ -9,6 +9,7 @@ Example:
 
 from __future__ import annotations
 
+from tfpar.compression.auto import Auto
 from tfpar.compression.compressed_aggregator import Compression
 from tfpar.compression.compressors import (BF16, FP16, CompressionError, Compressor, Int8,
                                            NoCompression, Sign, TopK)
@@ -36,7 +37,7 @@ def get(name: str, **args) -> Compressor:
         raise CompressionError(f"Compressor {key!r} does not take {sorted(args)}: {e}.") from None
 
 
-NAMES = (*COMPRESSORS, "onebit_adam")  # what --config.compression accepts
+NAMES = (*COMPRESSORS, "onebit_adam", "auto")  # what --config.compression accepts
 
 
 def from_config(name: str, ratio: float = 0.01, rank: int = 4, min_size: int = 1024,
@@ -44,7 +45,7 @@ def from_config(name: str, ratio: float = 0.01, rank: int = 4, min_size: int = 1
                 reset_on_restore: bool = False, embeddings: bool = False,
                 momentum: float = 0.9, clip_norm: float = 0.0, masking: bool = True,
                 sparsity_warmup_steps: int = 0, stages: int = 4, rank_schedule: str = "",
-                freeze_step: int = 100) -> Compression | None:
+                freeze_step: int = 100, auto_total_steps: int = 600) -> Compression | None:
     """The Compression that `--config.compression=NAME --config.compression_args.*` asks for
     (None for 'none' with no overrides). `overrides`: "regex=name,regex=name"; `skip`: a
     comma-separated list of regexes that replaces the default skip list; `embeddings`: also
@@ -68,6 +69,8 @@ def from_config(name: str, ratio: float = 0.01, rank: int = 4, min_size: int = 1
     if embeddings and skip_list is None:
         skip_list = tuple(p for p in DEFAULT_SKIP if "embed" not in p)
     policy_args = {"skip": skip_list} if skip_list is not None else {}
+    if name.lower() == "auto":
+        return Auto(total_steps=auto_total_steps)
     if name.lower() == "onebit_adam":
         if parsed:
             raise CompressionError("onebit_adam compresses every large tensor's momentum; "
@@ -95,6 +98,6 @@ def check_config(config) -> str | None:
     return None
 
 
-__all__ = ["BF16", "COMPRESSORS", "Compression", "CompressionError", "Compressor", "DGC", "FP16",
+__all__ = ["Auto", "BF16", "COMPRESSORS", "Compression", "CompressionError", "Compressor", "DGC", "FP16",
            "Int8", "NAMES", "NoCompression", "OneBitAdam", "Policy", "PowerSGD", "Sign", "TopK", "check_config", "compress_fit", "from_config",
            "get"]
