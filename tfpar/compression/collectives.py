@@ -27,9 +27,9 @@ def _launcher(context):
     launchers = getattr(ops, "_launchers", None)
     if not launchers:
         raise CompressionError(
-            f"The two-phase compressed all-reduce needs a collective strategy (mirrored or "
-            f"multi_worker_mirrored); {type(context.strategy).__name__} has no collective "
-            "launchers. Use compression_args.two_phase=False (all-gather) here.")
+            f"The two-phase compressed all-reduce (onebit_adam) needs a collective strategy: "
+            f"{type(context.strategy).__name__} has no collective launchers. Train it under "
+            "mirrored or multi_worker_mirrored, or pick another compressor.")
     return launchers[context._replica_id]  # pylint: disable=protected-access  (local index)
 
 
