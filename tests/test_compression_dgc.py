@@ -310,6 +310,8 @@ def test_keras_fit_takes_dgc_and_refuses_phases_by_name(weights):
                    C.Compression(C.PowerSGD(rank_schedule="4@0,2@9"))):
         with pytest.raises(C.CompressionError, match="changes phase at steps .* needs tfpar.Trainer"):
             C.compress_fit(model, phased)
+    with pytest.raises(C.CompressionError, match="compression='auto' .* use tfpar.Trainer"):
+        C.compress_fit(model, C.Auto())
     model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
     with pytest.raises(C.CompressionError, match="dgc keeps the momentum itself"):
         C.compress_fit(model, C.DGC())

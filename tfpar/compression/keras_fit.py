@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import keras
 
+from tfpar.compression.auto import Auto
 from tfpar.compression.compressed_aggregator import Compression
 from tfpar.compression.compressors import CompressionError, Compressor
 
@@ -31,6 +32,10 @@ def compress_fit(model: keras.Model, compression: Compressor | Compression) -> C
     if getattr(model, "optimizer", None) is None:
         raise CompressionError("compress_fit needs a compiled model: call model.compile(...) first.")
     compression = compression if isinstance(compression, Compression) else Compression(compression)
+    if isinstance(compression, Auto):
+        raise CompressionError("compression='auto' may pick a compressor with an uncompressed start, "
+                               "which Keras fit cannot run (it traces one train step): use "
+                               "tfpar.Trainer (--config.mode=loop), or name a compressor for fit.")
     if compression.policy.warmup_steps:
         raise CompressionError("Compression warm-up steps need tfpar.Trainer (Keras fit traces a "
                                "single train step). Set warmup_steps=0 for fit.")
