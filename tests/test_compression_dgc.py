@@ -45,6 +45,7 @@ def test_dgc_density_one_is_sgd_with_momentum(weights):
     assert gap(got, reference) < 1e-5
 
 
+@pytest.mark.slow
 def test_dgc_warmup_steps_are_sgd_with_momentum_and_then_it_compresses(weights):
     strategy = mirrored(2)
     reference, _, _ = train(strategy, weights, None, momentum=0.9, steps=3)
@@ -90,6 +91,7 @@ def test_dgc_local_clipping_scales_the_threshold_by_replicas():
         np.testing.assert_allclose(replica[0], expected, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_dgc_sparsity_warmup_is_exponential_and_traced_per_stage(weights):
     dgc = C.DGC(ratio=0.001, warmup_steps=200)
     sparsity = [round(100 * (1 - d), 2) for d in dgc.densities()]
@@ -146,6 +148,7 @@ def test_dgc_state_checkpoint_round_trip(tmp_path, weights):
 
 # -- PowerSGD: uncompressed start, rank schedule --------------------------------------------
 
+@pytest.mark.slow
 def test_powersgd_rank_schedule_stages_and_bytes(weights):
     strategy = mirrored(2)
     psgd = C.PowerSGD(rank_schedule="8@0,2@2")
@@ -288,6 +291,7 @@ def test_config_builds_the_new_compressors_and_refuses_what_cannot_work():
         C.from_config("dgc", sparsity_warmup_steps=3)
 
 
+@pytest.mark.slow
 def test_keras_fit_takes_dgc_and_refuses_phases_by_name(weights):
     strategy = mirrored(2)
 
@@ -329,6 +333,7 @@ def test_auto_picks_none_on_a_fast_link_and_compression_on_a_slow_one():
     assert name == "powersgd" and predicted["powersgd"] < predicted["none"] / 3
 
 
+@pytest.mark.slow
 def test_auto_measures_at_build_becomes_its_choice_and_says_why(weights):
     strategy = mirrored(2)
     slow = C.Auto(total_steps=20, link_s=10.0)  # a link measured as slow: compress

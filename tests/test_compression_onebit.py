@@ -43,6 +43,7 @@ def test_warmup_is_keras_adam_with_global_clipping(weights):
     assert gap(got, reference) < 2e-6
 
 
+@pytest.mark.slow
 def test_compressed_phase_moves_from_adam_and_keeps_both_errors(weights):
     strategy = mirrored(2)
     reference, _, _ = train(strategy, weights, lambda: keras.optimizers.Adam(0.01), steps=6)
@@ -88,6 +89,7 @@ def test_two_phase_error_compensation_identities():
         np.testing.assert_allclose(np.split(means[r], 2)[r] + results[r][3].numpy(), chunk, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("replicas", [2, 4])
 def test_bytes_counted_equal_analytic_and_stay_flat(replicas, weights):
     strategy = mirrored(replicas)
