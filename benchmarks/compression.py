@@ -1,8 +1,21 @@
-"""Benchmark: gradient compression for gpt_tiny on 2 workers: bytes, step time, validation loss.
+"""Benchmark: gradient compression on 2 and 4 workers: time to quality, bytes, step time.
 
     python benchmarks/compression.py                                   # loopback + shaped link
     python benchmarks/compression.py --links=loopback --steps=100      # no root needed
     python benchmarks/compression.py --links=shaped --rate=100mbit     # root + iproute2 (tc)
+    # the issue-13 run (root; ~45 min on a quiet machine):
+    python benchmarks/compression.py --model=gpt_wide --links=100mbit,1gbit --workers=2,4 \
+        --configs=none,dgc(0.001),powersgd(4)+start,onebit_adam,topk(0.01) --steps=600
+
+Links named by a rate (e.g. 100mbit, 1gbit): N network namespaces tfpw0..tfpwN-1 (one per
+worker, addresses 10.77.0.1..N/24) joined by veth pairs to a bridge that lives in its own
+namespace tfphub (no address in the root namespace); every worker end carries
+`netem delay 1ms` with a `tbf rate RATE` child. Everything is removed at the end, on errors
+and on Ctrl-C. Per configuration and link: validation loss against wall-clock seconds of
+training (time to quality; evaluation excluded), the time to reach the uncompressed run's
+final validation loss, bytes per worker per step (handed to collectives, and transmitted on
+the link: tfpar.compression.accounting.link_bytes_per_worker), compute time of one step
+(forward + backward alone) vs the rest (collectives), and the achieved link bandwidth.
 
 gpt_tiny (configs/gpt_tiny.py: 2 blocks of 128, 128-byte windows, AdamW with 60 warm-up
 steps and cosine decay over --steps), global batch 32 over 2 workers under
@@ -66,14 +79,32 @@ CONFIGS = {
     "powersgd(4)": ("powersgd", {"rank": 4}, False),
     "powersgd(4)+emb": ("powersgd", {"rank": 4}, True),
     "sign": ("sign", {}, False),
+    # issue 13: compressors that keep the model (tfpar.compression.from_config arguments)
+    "dgc(0.01)": ("dgc", {"ratio": 0.01, "clip_norm": 1.0, "sparsity_warmup_steps": 60}, True),
+    "dgc(0.001)": ("dgc", {"ratio": 0.001, "clip_norm": 1.0, "sparsity_warmup_steps": 60}, True),
+    "powersgd(4)+start": ("powersgd", {"rank_schedule": "8@0,4@100", "warmup_steps": 60}, True),
+    "onebit_adam": ("onebit_adam", {"freeze_step": 60, "clip_norm": 1.0}, False),
 }
-GOAL_CONFIGS = ("topk(0.01)", "topk(0.01)+emb", "powersgd(4)", "powersgd(4)+emb")
+# what these ask of the optimizer: momentum and Adam's moments live in the compressor
+OPTIMIZER_FOR = {"dgc": dict(name="sgd", momentum=0.0, clip_norm=0.0, learning_rate=0.1),
+                 "onebit_adam": dict(name="sgd", momentum=0.0, clip_norm=0.0)}
+GOAL_CONFIGS = ("topk(0.01)", "topk(0.01)+emb", "powersgd(4)", "powersgd(4)+emb",
+                "dgc(0.01)", "dgc(0.001)", "powersgd(4)+start", "onebit_adam")
 GOAL_RATIO, GOAL_SPEEDUP, GOAL_GAP = 40.0, 3.0, 0.03
 EMBED = r"embed"
 
-NAMESPACES = ("tfpA", "tfpB")
-VETH = ("vtfpA", "vtfpB")
-ADDRESSES = ("10.0.0.1", "10.0.0.2")
+HUB = "tfphub"                     # the namespace that holds the bridge (no address)
+BRIDGE = "tfpbr0"
+
+
+def namespaces(workers: int) -> list[str]:
+    return [f"tfpw{i}" for i in range(workers)]
+
+
+def addresses(workers: int) -> list[str]:
+    return [f"10.77.0.{i + 1}" for i in range(workers)]
+
+
 PORT = 23456
 
 
@@ -83,8 +114,22 @@ def compression_for(name: str):
     from tfpar import compression as C
 
     kind, kwargs, embed = CONFIGS[name]
+    if kind in OPTIMIZER_FOR:
+        return C.from_config(kind, embeddings=embed, **kwargs)
+    if "warmup_steps" in kwargs or "rank_schedule" in kwargs:
+        return C.from_config(kind, embeddings=embed, **kwargs)
     compressor = C.get(kind, **kwargs)
     return C.Compression(compressor, C.Policy(overrides={EMBED: compressor} if embed else {}))
+
+
+def optimizer_config(config, name: str):
+    """config.optimizer, changed where the compressor keeps momentum itself."""
+    import copy
+
+    opt = copy.deepcopy(config.optimizer)
+    with opt.unlocked():
+        opt.update(OPTIMIZER_FOR.get(CONFIGS[name][0], {}))
+    return opt
 
 
 def analytic_bytes(variables, compressor, policy) -> int:
@@ -121,6 +166,83 @@ def plans(variables) -> dict:
     return {"plans": out, "analytic_everything_compressed": out_all}
 
 
+def _compute_time(trainer, batch, repeats: int = 5) -> float:
+    """Median seconds of forward + backward alone on one local batch (no collectives)."""
+    import tensorflow as tf
+
+    x, y = batch[0], batch[1]
+    trainable = [tf.convert_to_tensor(v.value) for v in trainer.model.trainable_variables]
+    others = [tf.convert_to_tensor(v.value) for v in trainer.model.non_trainable_variables]
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        loss, _, _ = trainer._compute(trainable, others, tf.constant(1.0), x, y, None)  # pylint: disable=protected-access
+        float(loss)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def _wire(trainer, compression, train_data, replicas: int, steps: int) -> dict:
+    """Bytes of the last phase's step: handed to collectives and transmitted per worker."""
+    from tfpar.compression import accounting
+
+    phase = compression.phase(steps - 1) if compression is not None else None
+    step = trainer.traced_step(train_data, phase)
+    variables = trainer.model.trainable_variables
+    dense = accounting.fp32_bytes(variables)
+    sent = accounting.bytes_per_replica(step, in_loops_only=True)
+    return {"bytes_per_step": sent, "fp32_bytes_per_step": dense, "ratio": dense / sent,
+            "link_bytes_per_worker": accounting.link_bytes_per_worker(step, replicas),
+            "analytic_bytes_per_step": sum(compression.payload_bytes(variables, phase).values())
+            if compression is not None else dense, "phase": str(phase)}
+
+
+def _train_one(name, args, config, splits, strategy, eval_data, eval_steps, say) -> dict:
+    import keras
+
+    from tfpar import data as data_lib
+    from tfpar import recipes
+    from tfpar.evaluation import evaluate
+    from tfpar.loop import Trainer
+
+    started = time.perf_counter()
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = recipes.build_model(config, splits.info)
+        optimizer = recipes.build_optimizer(optimizer_config(config, name), args.steps)
+    compression = compression_for(name)
+    trainer = Trainer(model, optimizer, recipes.SmoothedSparseCrossentropy(0.0), strategy=strategy,
+                      steps_per_loop=args.steps_per_loop, compression=compression)
+    train_data = data_lib.distribute_train(strategy, splits.train, args.batch)
+    wire = _wire(trainer, compression, train_data, strategy.num_replicas_in_sync, args.steps)
+    local = next(iter(splits.train.build(training=False).batch(
+        args.batch // strategy.num_replicas_in_sync, drop_remainder=True)))
+    compute_s = _compute_time(trainer, local)
+    iterator = iter(train_data)
+    curve = [[0, 0.0, evaluate(model, strategy, eval_data, eval_steps)["loss"]]]  # step, train s, val
+    per_step, train_losses, step, train_s = [], [], 0, 0.0
+    while step < args.steps:
+        n = min(args.steps_per_loop, args.steps - step)
+        t0 = time.perf_counter()
+        train_losses.append(trainer.train_steps(iterator, n))
+        per_step.append((time.perf_counter() - t0) / n)
+        train_s += per_step[-1] * n
+        step += n
+        if step % args.eval_every == 0 or step == args.steps:
+            curve.append([step, train_s, evaluate(model, strategy, eval_data, eval_steps)["loss"]])
+            say(f"{name}: step {step} train {train_losses[-1]:.4f} val {curve[-1][2]:.4f} "
+                f"step {1000 * per_step[-1]:.0f} ms")
+    timed = per_step[args.warmup_calls:] or per_step
+    median = statistics.median(timed)
+    collective_s = max(median - compute_s, 0.0)
+    return {**wire, "step_time_s": median, "step_times_s": per_step, "compute_s": compute_s,
+            "collective_s": collective_s,
+            "achieved_link_mbit_s": wire["link_bytes_per_worker"] * 8 / collective_s / 1e6 if collective_s else None,
+            "val_loss": [[s_, l] for s_, _, l in curve], "val_curve_wall": [[w, l] for _, w, l in curve],
+            "final_val_loss": curve[-1][2], "train_loss": train_losses, "train_s": train_s,
+            "wall_s": time.perf_counter() - started}
+
+
 def worker(args) -> None:
     import tfpar
 
@@ -129,75 +251,28 @@ def worker(args) -> None:
 
     import runpy
 
-    import keras
-
     from tfpar import data as data_lib
-    from tfpar import recipes
-    from tfpar.evaluation import evaluate
-    from tfpar.loop import Trainer
 
     def say(message):
         print(f"[w{info.task_index}] {message}", flush=True)
 
-    config = runpy.run_path(CONFIG)["get_config"]()
+    config = runpy.run_path(os.path.join(REPO, "configs", f"{args.model}.py"))["get_config"]()
     splits = data_lib.load("corpus", seq_len=config.data.seq_len, seed=0)
     eval_data, eval_steps = data_lib.distribute_eval(strategy, splits.validation, args.eval_batch,
                                                      limit=args.eval_examples)
-    say(f"{info.kind}, {info.replicas} replicas, {info.num_workers} workers; eval "
-        f"{args.eval_examples} examples in {eval_steps} steps; tfpar from {os.path.dirname(tfpar.__file__)}")
+    say(f"{info.kind}, {info.replicas} replicas, {info.num_workers} workers; {args.model}; eval "
+        f"{args.eval_examples} examples in {eval_steps} steps")
     results, extra = {}, None
     for name in args.configs:
-        started = time.perf_counter()
-        keras.utils.set_random_seed(0)
-        with strategy.scope():
-            model = recipes.build_model(config, splits.info)
-            optimizer = recipes.build_optimizer(config.optimizer, args.steps)
-        compression = compression_for(name)
-        trainer = Trainer(model, optimizer, recipes.SmoothedSparseCrossentropy(0.0), strategy=strategy,
-                          steps_per_loop=args.steps_per_loop, compression=compression)
+        results[name] = _train_one(name, args, config, splits, strategy, eval_data, eval_steps, say)
         if extra is None:
-            extra = plans(model.trainable_variables)
-        train_data = data_lib.distribute_train(strategy, splits.train, args.batch)
-        phases = {"build_s": time.perf_counter() - started}
-        t0 = time.perf_counter()
-        wire = trainer.wire_bytes(train_data)
-        phases["wire_bytes_trace_s"] = time.perf_counter() - t0
-        wire["analytic_bytes_per_step"] = analytic_bytes(model.trainable_variables, compression.compressor,
-                                                         compression.policy)
-        iterator = iter(train_data)
-        t0 = time.perf_counter()
-        curve = [[0, evaluate(model, strategy, eval_data, eval_steps)["loss"]]]
-        phases["eval_s"] = time.perf_counter() - t0
-        per_step, train_losses, step = [], [], 0
-        while step < args.steps:
-            n = min(args.steps_per_loop, args.steps - step)
-            t0 = time.perf_counter()
-            train_losses.append(trainer.train_steps(iterator, n))
-            per_step.append((time.perf_counter() - t0) / n)
-            step += n
-            if step % args.eval_every == 0 or step == args.steps:
-                t0 = time.perf_counter()
-                curve.append([step, evaluate(model, strategy, eval_data, eval_steps)["loss"]])
-                phases["eval_s"] += time.perf_counter() - t0
-                say(f"{name}: step {step} train {train_losses[-1]:.4f} val {curve[-1][1]:.4f} "
-                    f"step {1000 * per_step[-1]:.0f} ms")
-        timed = per_step[args.warmup_calls:] or per_step
-        results[name] = {
-            **wire,
-            "step_time_s": statistics.median(timed),
-            "step_time_mean_s": statistics.fmean(timed),
-            "step_times_s": per_step,
-            "first_call_s": per_step[0] * min(args.steps_per_loop, args.steps),
-            "val_loss": curve,
-            "final_val_loss": curve[-1][1],
-            "train_loss": train_losses,
-            "wall_s": time.perf_counter() - started,
-            "phases_s": {**phases, "train_s": sum(per_step[i] * min(args.steps_per_loop, args.steps - i * args.steps_per_loop)
-                                                  for i in range(len(per_step)))},
-        }
-        say(f"{name}: {wire['bytes_per_step']:,} B/step ({wire['ratio']:.1f}x), "
-            f"median step {1000 * results[name]['step_time_s']:.0f} ms, val {curve[-1][1]:.4f}, "
-            f"{results[name]['wall_s']:.0f} s {json.dumps({k: round(v, 1) for k, v in results[name]['phases_s'].items()})}")
+            with strategy.scope():
+                from tfpar import recipes
+                extra = plans(recipes.build_model(config, splits.info).trainable_variables)
+        row = results[name]
+        say(f"{name}: {row['bytes_per_step']:,} B/step ({row['ratio']:.1f}x), link "
+            f"{row['link_bytes_per_worker']:,.0f} B/worker, median step {1000 * row['step_time_s']:.0f} ms "
+            f"(compute {1000 * row['compute_s']:.0f} ms), val {row['final_val_loss']:.4f}")
         with open(args.result_file.replace("{task}", str(info.task_index)), "w") as f:
             json.dump({"task_index": info.task_index, "results": results, **extra}, f, indent=1)
 
@@ -208,29 +283,45 @@ def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(list(cmd), check=check, capture_output=True, text=True)
 
 
-def teardown_link() -> None:
-    for ns in NAMESPACES:  # deleting a namespace deletes its end of the veth pair, then the pair
+def teardown_link(workers: int = 8) -> None:
+    """Deletes the namespaces this script creates (their veth ends and the bridge go too)."""
+    for ns in [*namespaces(workers), HUB]:
         _sh("ip", "netns", "del", ns, check=False)
 
 
-def setup_link(rate: str) -> None:
+def setup_link(rate: str, workers: int, delay: str = "1ms") -> str:
+    """One namespace per worker, veth pairs to a bridge in HUB, netem delay + tbf on each
+    worker's end (so every packet a worker sends is shaped once, at its own link). Returns
+    the qdisc chain installed: a kernel without sch_netem gets tbf alone, and says so."""
     teardown_link()
-    a, b = NAMESPACES
-    _sh("ip", "netns", "add", a)
-    _sh("ip", "netns", "add", b)
-    _sh("ip", "link", "add", VETH[0], "type", "veth", "peer", "name", VETH[1])
-    for ns, dev, address in zip(NAMESPACES, VETH, ADDRESSES):
-        _sh("ip", "link", "set", dev, "netns", ns)
-        _sh("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", dev)
+    chains = set()
+    _sh("ip", "netns", "add", HUB)
+    _sh("ip", "-n", HUB, "link", "add", BRIDGE, "type", "bridge")
+    _sh("ip", "-n", HUB, "link", "set", BRIDGE, "up")
+    for i, (ns, address) in enumerate(zip(namespaces(workers), addresses(workers))):
+        inner, outer = f"tfpv{i}", f"tfph{i}"
+        _sh("ip", "netns", "add", ns)
+        _sh("ip", "link", "add", inner, "netns", ns, "type", "veth", "peer", "name", outer, "netns", HUB)
+        _sh("ip", "-n", HUB, "link", "set", outer, "master", BRIDGE)
+        _sh("ip", "-n", HUB, "link", "set", outer, "up")
+        _sh("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", inner)
         _sh("ip", "-n", ns, "link", "set", "lo", "up")
-        _sh("ip", "-n", ns, "link", "set", dev, "up")
-        _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
-            "burst", "32kbit", "latency", "50ms")
+        _sh("ip", "-n", ns, "link", "set", inner, "up")
+        netem = _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", inner, "root", "handle", "1:",
+                    "netem", "delay", delay, check=False).returncode == 0
+        _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", inner,
+            *(("parent", "1:", "handle", "2:") if netem else ("root", "handle", "1:")),
+            "tbf", "rate", rate, "burst", "64kbit", "latency", "50ms")
+        chains.add(f"netem delay {delay} + tbf rate {rate}" if netem else
+                   f"tbf rate {rate} only (no sch_netem in this kernel: no added delay)")
+    if len(chains) == 1 and "only" in next(iter(chains)):
+        print(f"warning: {next(iter(chains))}", flush=True)
+    return " / ".join(sorted(chains))
 
 
-def qdisc_stats() -> dict:
-    return {ns: _sh("ip", "netns", "exec", ns, "tc", "-s", "qdisc", "show", "dev", dev).stdout.strip()
-            for ns, dev in zip(NAMESPACES, VETH)}
+def qdisc_stats(workers: int) -> dict:
+    return {ns: _sh("ip", "netns", "exec", ns, "tc", "-s", "qdisc", "show", "dev", f"tfpv{i}").stdout.strip()
+            for i, ns in enumerate(namespaces(workers))}
 
 
 _SINK = r"""
@@ -253,28 +344,28 @@ c.close()
 """
 
 
-def measure_link(megabytes: int = 50) -> dict:
-    """Mbit/s of one TCP stream tfpA -> tfpB (and back), through the shaped veth pair."""
-    out = {}
-    for (src, dst), address in [((0, 1), ADDRESSES[1]), ((1, 0), ADDRESSES[0])]:
-        sink = subprocess.Popen(["ip", "netns", "exec", NAMESPACES[dst], sys.executable, "-c", _SINK,
-                                 address, str(PORT + 100)], stdout=subprocess.PIPE, text=True)
+def measure_link(megabytes: int = 20) -> dict:
+    """Mbit/s of one TCP stream worker 0 -> worker 1 and back, through the shaped links."""
+    out, ns, address = {}, namespaces(2), addresses(2)
+    for src, dst in [(0, 1), (1, 0)]:
+        sink = subprocess.Popen(["ip", "netns", "exec", ns[dst], sys.executable, "-c", _SINK,
+                                 address[dst], str(PORT + 100)], stdout=subprocess.PIPE, text=True)
         try:
             sink.stdout.readline()
-            subprocess.run(["ip", "netns", "exec", NAMESPACES[src], sys.executable, "-c", _SOURCE,
-                            address, str(PORT + 100), str(megabytes)], check=True, timeout=120)
+            subprocess.run(["ip", "netns", "exec", ns[src], sys.executable, "-c", _SOURCE,
+                            address[dst], str(PORT + 100), str(megabytes)], check=True, timeout=300)
             got, seconds = sink.stdout.readline().split()
             sink.wait(timeout=30)
         finally:
             if sink.poll() is None:
                 sink.kill()
-        out[f"{NAMESPACES[src]}->{NAMESPACES[dst]}_mbit_s"] = int(got) * 8 / float(seconds) / 1e6
+        out[f"{ns[src]}->{ns[dst]}_mbit_s"] = int(got) * 8 / float(seconds) / 1e6
     return out
 
 
 def _worker_args(args, result_file: str) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), "--worker", f"--result-file={result_file}",
-            f"--steps={args.steps}", f"--steps-per-loop={args.steps_per_loop}",
+            f"--model={args.model}", f"--batch={args.batch}", f"--steps={args.steps}", f"--steps-per-loop={args.steps_per_loop}",
             f"--eval-every={args.eval_every}", f"--eval-examples={args.eval_examples}",
             f"--warmup-calls={args.warmup_calls}", f"--configs={','.join(args.configs)}"]
 
@@ -287,58 +378,81 @@ def _pump(stream, prefix: str, log) -> None:
             print(f"{prefix} {line}", end="", flush=True)
 
 
-def run_cluster(link: str, args, workdir: str) -> dict:
-    """Starts the 2 workers for `link`, waits for them; returns worker 0's results."""
-    result_file = os.path.join(workdir, f"{link}_worker{{task}}.json")
-    log_path = os.path.join(workdir, f"{link}.log")
+def _start(prefixes, cluster, args, result_file, link, log):
+    processes, pumps = [], []
+    for index, prefix in enumerate(prefixes):
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2",
+                   TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}))
+        processes.append(subprocess.Popen(prefix + _worker_args(args, result_file), env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                          stdin=subprocess.DEVNULL, start_new_session=True, cwd=REPO))
+        pumps.append(threading.Thread(target=_pump, args=(processes[-1].stdout, f"[{link}]", log), daemon=True))
+        pumps[-1].start()
+    return processes, pumps
+
+
+def _stop(processes, pumps) -> None:
+    for p in processes:  # only the process groups this script started
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    for thread in pumps:
+        thread.join(timeout=5)
+
+
+def run_cluster(link: str, workers: int, args, workdir: str) -> dict:
+    """Starts `workers` workers on `link` (loopback or shaped), waits; returns worker 0's results."""
+    key = f"{link}_w{workers}"
+    result_file = os.path.join(workdir, f"{key}_worker{{task}}.json")
+    log_path = os.path.join(workdir, f"{key}.log")
     if link == "loopback":
         from tfpar.launch import cluster_spec
-        cluster = cluster_spec(2)
-        prefixes = [[], []]
+        cluster, prefixes = cluster_spec(workers), [[] for _ in range(workers)]
     else:
-        cluster = {"worker": [f"{address}:{PORT}" for address in ADDRESSES]}
-        prefixes = [["ip", "netns", "exec", ns] for ns in NAMESPACES]
-    processes, pumps = [], []
+        cluster = {"worker": [f"{address}:{PORT}" for address in addresses(workers)]}
+        prefixes = [["ip", "netns", "exec", ns] for ns in namespaces(workers)]
     with open(log_path, "w") as log:
+        processes, pumps = _start(prefixes, cluster, args, result_file, key, log)
         try:
-            for index, prefix in enumerate(prefixes):
-                env = dict(os.environ, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2",
-                           TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}))
-                process = subprocess.Popen(prefix + _worker_args(args, result_file), env=env,
-                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                           stdin=subprocess.DEVNULL, start_new_session=True, cwd=REPO)
-                processes.append(process)
-                thread = threading.Thread(target=_pump, args=(process.stdout, f"[{link}]", log), daemon=True)
-                thread.start()
-                pumps.append(thread)
             while True:
                 codes = [p.poll() for p in processes]
                 if any(c not in (None, 0) for c in codes):
-                    raise RuntimeError(f"{link}: a worker exited with {codes}; see {log_path}")
+                    raise RuntimeError(f"{key}: a worker exited with {codes}; see {log_path}")
                 if all(c == 0 for c in codes):
                     break
                 time.sleep(0.5)
         finally:
-            for p in processes:  # only the process groups this function started
-                if p.poll() is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(p.pid, signal.SIGTERM)
-                    try:
-                        p.wait(timeout=10)
-                    except subprocess.TimeoutExpired:
-                        os.killpg(p.pid, signal.SIGKILL)
-                        p.wait()
-            for thread in pumps:
-                thread.join(timeout=5)
-    with open(result_file.replace("{task}", "0")) as f:
-        chief = json.load(f)
-    with open(result_file.replace("{task}", "1")) as f:
-        other = json.load(f)
-    for name, row in chief["results"].items():  # both workers must have computed the same losses
-        row["workers_agree"] = all(abs(a[1] - b[1]) < 1e-6 for a, b in
+            _stop(processes, pumps)
+    loaded = []
+    for task in range(workers):
+        with open(result_file.replace("{task}", str(task))) as f:
+            loaded.append(json.load(f))
+    chief = loaded[0]
+    for name, row in chief["results"].items():  # every worker must have computed the same losses
+        row["workers_agree"] = all(abs(a[1] - b[1]) < 1e-6 for other in loaded[1:] for a, b in
                                    zip(row["val_loss"], other["results"][name]["val_loss"]))
     chief["log"] = log_path
     return chief
+
+
+def time_to_quality(results: dict) -> dict:
+    """Per run: training seconds until the val loss first reaches the uncompressed run's final
+    val loss on the same link and worker count (None: never within the run)."""
+    out = {}
+    for run, rows in results.items():
+        target = rows.get("none", {}).get("final_val_loss")
+        for name, row in rows.items():
+            reached = [w for w, l in row["val_curve_wall"] if target is not None and l <= target + 1e-9]
+            row["time_to_quality_s"] = reached[0] if reached else None
+            base = rows.get("none", {}).get("train_s")
+            if reached and base:
+                out.setdefault(run, {})[name] = reached[0] / base  # fraction of uncompressed time
+    return out
 
 
 def powersgd_arithmetic(rank: int = 4) -> dict:
@@ -349,26 +463,22 @@ def powersgd_arithmetic(rank: int = 4) -> dict:
 
 
 def table(results: dict) -> list[dict]:
-    loop, shaped = results.get("loopback", {}), results.get("shaped", {})
-    base = shaped or loop
+    """One row per (run = link and worker count, configuration)."""
     rows = []
-    for name in CONFIGS:
-        src = base.get(name) or loop.get(name)
-        if src is None:
-            continue
-        row = {"config": name, "bytes_per_step": src["bytes_per_step"], "ratio": src["ratio"],
-               "step_s_loopback": loop.get(name, {}).get("step_time_s"),
-               "step_s_shaped": shaped.get(name, {}).get("step_time_s"),
-               "final_val_loss": src["final_val_loss"],
-               "final_val_loss_loopback": loop.get(name, {}).get("final_val_loss")}
-        if shaped.get("none") and row["step_s_shaped"]:
-            row["speedup_shaped"] = shaped["none"]["step_time_s"] / row["step_s_shaped"]
-        if loop.get("none") and row["step_s_loopback"]:
-            row["speedup_loopback"] = loop["none"]["step_time_s"] / row["step_s_loopback"]
-        none = base.get("none") or loop.get("none")
-        if none:
-            row["gap_vs_none"] = (row["final_val_loss"] - none["final_val_loss"]) / none["final_val_loss"]
-        rows.append(row)
+    for run, configs in results.items():
+        none = configs.get("none")
+        for name, r in configs.items():
+            row = {"run": run, "config": name, "bytes_per_step": r["bytes_per_step"], "ratio": r["ratio"],
+                   "link_bytes_per_worker": r["link_bytes_per_worker"], "step_s": r["step_time_s"],
+                   "compute_s": r["compute_s"], "collective_s": r["collective_s"],
+                   "achieved_link_mbit_s": r["achieved_link_mbit_s"], "final_val_loss": r["final_val_loss"],
+                   "time_to_quality_s": r.get("time_to_quality_s"), "train_s": r["train_s"]}
+            if none:
+                row["speedup"] = none["step_time_s"] / r["step_time_s"]
+                row["gap_vs_none"] = (r["final_val_loss"] - none["final_val_loss"]) / none["final_val_loss"]
+                if row["time_to_quality_s"] is not None:
+                    row["time_to_quality_vs_none"] = row["time_to_quality_s"] / none["train_s"]
+            rows.append(row)
     return rows
 
 
@@ -377,84 +487,107 @@ def goals(rows: list[dict]) -> dict:
     for row in rows:
         if row["config"] not in GOAL_CONFIGS:
             continue
-        speed = row.get("speedup_shaped")
-        out[row["config"]] = {
+        out[f"{row['run']}/{row['config']}"] = {
             f"bytes>={GOAL_RATIO:g}x": row["ratio"] >= GOAL_RATIO,
-            f"speedup>={GOAL_SPEEDUP:g}x_on_shaped_link": None if speed is None else speed >= GOAL_SPEEDUP,
+            "time_to_quality<=1/3": None if row.get("time_to_quality_vs_none") is None
+            else row["time_to_quality_vs_none"] <= 1 / 3,
             f"val_loss_within_{GOAL_GAP:.0%}": abs(row.get("gap_vs_none", 1)) <= GOAL_GAP,
         }
+    by_run = {}
+    for row in rows:  # 4 workers' link bytes within 10% of 2 workers'
+        by_run.setdefault((row["run"].rsplit("_w", 1)[0], row["config"]), {})[row["run"]] = row["link_bytes_per_worker"]
+    for (link, name), runs in by_run.items():
+        w2, w4 = runs.get(f"{link}_w2"), runs.get(f"{link}_w4")
+        if w2 and w4:
+            out.setdefault(f"{link}/{name}", {})["link_bytes_w4_within_10%_of_w2"] = w4 <= 1.1 * w2
     return out
 
 
 def print_table(rows: list[dict]) -> None:
-    def cell(value, fmt, unit, width):
-        return ("-" if value is None else format(value, fmt) + unit).rjust(width)
+    def cell(value, fmt, width):
+        return ("-" if value is None else format(value, fmt)).rjust(width)
 
-    header = (f"{'config':<16} {'bytes/step':>10} {'ratio':>6} {'step lo':>8} {'step link':>9} "
-              f"{'speedup':>7} {'val loss':>8} {'gap':>7} {'val lo':>7}")
+    header = (f"{'run':<14} {'config':<18} {'B/step':>10} {'ratio':>6} {'link B/w':>10} {'step ms':>8} "
+              f"{'comp ms':>8} {'Mbit/s':>7} {'val':>7} {'gap':>7} {'ttq s':>7} {'ttq/none':>8}")
     print(header)
     print("-" * len(header))
     for r in rows:
-        lo, link, gap = r["step_s_loopback"], r["step_s_shaped"], r.get("gap_vs_none")
-        print(f"{r['config']:<16} {r['bytes_per_step']:>10,} {r['ratio']:>5.1f}x "
-              f"{cell(lo and 1000 * lo, '.0f', 'ms', 8)} {cell(link and 1000 * link, '.0f', 'ms', 9)} "
-              f"{cell(r.get('speedup_shaped'), '.2f', 'x', 7)} {r['final_val_loss']:>8.4f} "
-              f"{cell(None if gap is None else 100 * gap + 0.0, '+.2f', '%', 7)} "
-              f"{cell(r['final_val_loss_loopback'], '.4f', '', 7)}")
+        gap = r.get("gap_vs_none")
+        print(f"{r['run']:<14} {r['config']:<18} {r['bytes_per_step']:>10,} {r['ratio']:>5.1f}x "
+              f"{r['link_bytes_per_worker']:>10,.0f} {1000 * r['step_s']:>8.0f} {1000 * r['compute_s']:>8.0f} "
+              f"{cell(r['achieved_link_mbit_s'], '.0f', 7)} {r['final_val_loss']:>7.4f} "
+              f"{cell(None if gap is None else 100 * gap, '+.2f', 7)} {cell(r['time_to_quality_s'], '.0f', 7)} "
+              f"{cell(r.get('time_to_quality_vs_none'), '.2f', 8)}")
 
 
-def plot(results: dict, rows: list[dict], path: str, rate: str) -> None:
+def plot(results: dict, rows: list[dict], path: str) -> None:
+    """Left: validation loss against training wall seconds, one curve per configuration and
+    run (the time-to-quality plot). Right: bytes each worker transmits per step."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_bytes, ax_time) = plt.subplots(1, 3, figsize=(17, 5))
-    curves = results.get("shaped") or results.get("loopback")
-    for name, row in curves.items():
-        steps, losses = zip(*row["val_loss"])
-        ax_loss.plot(steps, losses, marker="o", ms=3, label=name, ls="--" if name.endswith("+emb") else "-")
-    ax_loss.set_xlabel("step")
+    fig, (ax_loss, ax_bytes) = plt.subplots(1, 2, figsize=(16, 6))
+    styles = ["-", "--", ":", "-."]
+    for k, (run, configs) in enumerate(results.items()):
+        for name, row in configs.items():
+            seconds, losses = zip(*row["val_curve_wall"])
+            ax_loss.plot(seconds, losses, ls=styles[k % len(styles)], marker="o", ms=2, label=f"{run} {name}")
+        none = configs.get("none")
+        if none:
+            ax_loss.axhline(none["final_val_loss"], color="grey", lw=0.5)
+    ax_loss.set_xscale("symlog", linthresh=10)
+    ax_loss.set_xlabel("training wall-clock seconds (evaluation excluded)")
     ax_loss.set_ylabel("validation loss (nats/byte)")
     ax_loss.set_ylim(top=min(6.0, ax_loss.get_ylim()[1]))
-    ax_loss.set_title("validation loss (fixed subset)")
-    ax_loss.legend(fontsize=8)
-    names = [r["config"] for r in rows]
-    ax_bytes.bar(names, [r["bytes_per_step"] for r in rows], color="tab:blue")
-    fp32 = next(iter(curves.values()))["fp32_bytes_per_step"]
-    ax_bytes.axhline(fp32 / GOAL_RATIO, color="tab:red", ls=":", label=f"goal: fp32 / {GOAL_RATIO:g}")
-    ax_bytes.set_yscale("log")
-    ax_bytes.set_ylabel("bytes per replica per step")
-    ax_bytes.set_title("wire bytes (traced graph)")
-    ax_bytes.legend(fontsize=8)
-    width = 0.4
-    xs = range(len(rows))
-    for offset, key, label in [(-width / 2, "step_s_loopback", "loopback"),
-                               (width / 2, "step_s_shaped", f"shaped link ({rate})")]:
-        ax_time.bar([x + offset for x in xs], [1000 * (r[key] or 0) for r in rows], width, label=label)
-    ax_time.set_xticks(list(xs), names)
-    ax_time.set_ylabel("median step time (ms)")
-    ax_time.set_title("step time, 2 workers")
-    ax_time.legend(fontsize=8)
-    for ax in (ax_bytes, ax_time):
-        ax.tick_params(axis="x", rotation=60, labelsize=8)
-    fig.suptitle("gpt_tiny, 2 workers (multi_worker_mirrored), global batch 32")
+    ax_loss.set_title("time to quality")
+    ax_loss.legend(fontsize=6, ncol=2)
+    labels = [f"{r['run']} {r['config']}" for r in rows]
+    ax_bytes.barh(labels, [r["link_bytes_per_worker"] for r in rows], color="tab:blue")
+    ax_bytes.set_xscale("log")
+    ax_bytes.set_xlabel("bytes each worker transmits per step (traced graph, ring factors)")
+    ax_bytes.tick_params(axis="y", labelsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _run_link(link: str, workers: int, args, workdir: str, meta: dict) -> dict:
+    if link == "loopback":
+        return run_cluster(link, workers, args, workdir)
+    if os.geteuid() != 0:
+        raise SystemExit(f"link {link} needs root (ip netns, tc); run --links=loopback without it")
+    try:
+        chain = setup_link(link, workers, args.delay)
+        info = {"rate": link, "delay": args.delay, "qdisc_chain": chain, "namespaces": namespaces(workers),
+                "addresses": addresses(workers), "bridge": f"{BRIDGE} in namespace {HUB}",
+                "qdisc": f"{chain}, burst 64kbit latency 50ms, on each worker's veth",
+                **measure_link(args.probe_mb)}
+        print(f"link {link}, {workers} workers: {info}", flush=True)
+        chief = run_cluster(link, workers, args, workdir)
+        info["qdisc_stats_after"] = qdisc_stats(workers)
+        meta[f"{link}_w{workers}"] = info
+        return chief
+    finally:
+        teardown_link()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
-    parser.add_argument("--links", default="loopback,shaped", help="loopback, shaped or both")
+    parser.add_argument("--model", default="gpt_tiny", help="a config in configs/: gpt_tiny or gpt_wide")
+    parser.add_argument("--links", default="loopback,100mbit", help="loopback and/or tc rates (100mbit, 1gbit)")
+    parser.add_argument("--workers", default="2", help="worker counts, e.g. 2,4")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {', '.join(CONFIGS)}")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--steps-per-loop", type=int, default=10)
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--eval-examples", type=int, default=512)
     parser.add_argument("--eval-batch", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=32, help="global batch (gpt_wide: use 8)")
     parser.add_argument("--warmup-calls", type=int, default=2, help="tf.function calls left out of the timing")
-    parser.add_argument("--rate", default="100mbit", help="tc tbf rate of the shaped link")
+    parser.add_argument("--delay", default="1ms", help="netem delay on every worker's link")
+    parser.add_argument("--probe-mb", type=int, default=20, help="MB of the TCP check of each link")
+    parser.add_argument("--name", default="compression", help="OUT/NAME.json and OUT/NAME.png")
     parser.add_argument("--connect-timeout", type=float, default=120.0)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result-file", help=argparse.SUPPRESS)
@@ -465,12 +598,15 @@ def main() -> None:
         parser.error(f"unknown configs {unknown}; choose from {', '.join(CONFIGS)}")
     if args.worker:
         return worker(args)
+    if "none" not in args.configs:
+        args.configs.insert(0, "none")  # time to quality is measured against it
 
     links = [l.strip() for l in args.links.split(",") if l.strip()]
+    counts = [int(w) for w in args.workers.split(",")]
     os.makedirs(args.out, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="tfpar_compression_")
     print(f"logs and per-worker results in {workdir}", flush=True)
-    results, meta = {}, {"link": {}}
+    results, meta, extra = {}, {"links": {}}, {}
     started = time.perf_counter()
 
     def interrupted(signum, _frame):
@@ -478,43 +614,29 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, interrupted)
     for link in links:
-        t0 = time.perf_counter()
-        if link == "shaped":
-            if os.geteuid() != 0:
-                print("shaped link skipped: needs root (ip netns, tc)", flush=True)
-                continue
-            try:
-                setup_link(args.rate)
-                meta["link"] = {"rate": args.rate, "namespaces": NAMESPACES, "addresses": ADDRESSES,
-                                "qdisc": "tbf rate %s burst 32kbit latency 50ms on both veth ends" % args.rate,
-                                **measure_link()}
-                print(f"shaped link: {meta['link']}", flush=True)
-                chief = run_cluster(link, args, workdir)
-                meta["link"]["qdisc_stats_after"] = qdisc_stats()
-            finally:
-                teardown_link()
-        else:
-            chief = run_cluster(link, args, workdir)
-        results[link] = chief["results"]
-        meta.update(plans=chief["plans"], analytic_everything_compressed=chief["analytic_everything_compressed"])
-        meta[f"{link}_wall_s"] = time.perf_counter() - t0
+        for workers in counts:
+            t0 = time.perf_counter()
+            chief = _run_link(link, workers, args, workdir, meta["links"])
+            results[f"{link}_w{workers}"] = chief["results"]
+            extra = {"plans": chief["plans"], "analytic_everything_compressed": chief["analytic_everything_compressed"]}
+            meta[f"{link}_w{workers}_wall_s"] = time.perf_counter() - t0
 
+    ttq = time_to_quality(results)
     rows = table(results)
     print_table(rows)
     verdict = goals(rows)
     print(json.dumps(verdict, indent=1))
-    fp32 = next(iter(next(iter(results.values())).values()))["fp32_bytes_per_step"]
-    with open(os.path.join(args.out, "compression.json"), "w") as f:
-        json.dump({"model": "gpt_tiny", "workers": 2, "strategy": "multi_worker_mirrored",
+    with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
+        json.dump({"model": args.model, "workers": counts, "strategy": "multi_worker_mirrored",
                    "global_batch": args.batch, "steps": args.steps, "steps_per_loop": args.steps_per_loop,
                    "eval_every": args.eval_every, "eval_examples": args.eval_examples,
-                   "warmup_calls_excluded": args.warmup_calls, "fp32_bytes_per_step": fp32,
-                   "goals": {"ratio": GOAL_RATIO, "speedup_on_shaped_link": GOAL_SPEEDUP,
-                             "val_loss_gap": GOAL_GAP, "met": verdict},
-                   "table": rows, "powersgd_rank4_arithmetic": powersgd_arithmetic(4),
-                   **meta, "results": results, "total_wall_s": time.perf_counter() - started}, f, indent=2)
-    plot(results, rows, os.path.join(args.out, "compression.png"), args.rate)
-    print(f"wrote {args.out}/compression.json and compression.png "
+                   "warmup_calls_excluded": args.warmup_calls,
+                   "goals": {"ratio": GOAL_RATIO, "val_loss_gap": GOAL_GAP, "met": verdict},
+                   "time_to_quality_vs_none": ttq, "table": rows,
+                   "powersgd_rank4_arithmetic": powersgd_arithmetic(4), **extra, **meta,
+                   "results": results, "total_wall_s": time.perf_counter() - started}, f, indent=2)
+    plot(results, rows, os.path.join(args.out, f"{args.name}.png"))
+    print(f"wrote {args.out}/{args.name}.json and {args.name}.png "
           f"({time.perf_counter() - started:.0f} s)", flush=True)
 
 

@@ -40,7 +40,9 @@ def base_config() -> ml_collections.ConfigDict:
         # a fixed number of shards or in shards of at least this many bytes.
         partition_shards=0, partition_min_bytes=0))
     c.precision = "float32"             # or mixed_bfloat16 / mixed_float16
-    # Gradient compression (fit and loop): none | fp16 | bf16 | int8 | topk | powersgd | sign.
+    # Gradient compression (fit and loop): none | fp16 | bf16 | int8 | topk | powersgd | sign
+    # | dgc | onebit_adam (loop; dgc/onebit_adam need optimizer sgd, momentum 0, clip_norm 0)
+    # | auto (times the link and the compute at start, picks none, fp16 or powersgd; loop).
     c.compression = "none"
     c.compression_args = ml_collections.ConfigDict(dict(
         ratio=0.01,             # topk: fraction of entries sent
@@ -49,7 +51,16 @@ def base_config() -> ml_collections.ConfigDict:
         warmup_steps=0,         # first steps uncompressed (loop mode only)
         overrides="",           # "regex=name,regex=name" over variable paths, first match wins
         skip="",                # regexes (comma-separated) replacing the default skip list
-        reset_on_restore=False))  # True: error-feedback state is not checkpointed
+        reset_on_restore=False,  # True: error-feedback state is not checkpointed
+        embeddings=False,       # also compress the embeddings
+        momentum=0.9,           # dgc: momentum (moved into the compressor)
+        clip_norm=0.0,          # dgc / onebit_adam: gradient clipping (dgc: local, / sqrt(R))
+        masking=True,           # dgc: momentum-factor masking
+        sparsity_warmup_steps=0,  # dgc: density ramp 25% -> ratio over these steps
+        stages=4,               # dgc: stages of that ramp
+        rank_schedule="",       # powersgd: "8@0,4@300" (steps after warmup_steps)
+        freeze_step=100,        # onebit_adam: Adam warm-up steps before 1-bit momentum
+        auto_total_steps=600))  # auto: the run's length (its powersgd starts after 10%)
     c.seed = 0
     c.model = "gpt"                     # gpt | encoder | vit
     c.model_args = ml_collections.ConfigDict(dict(dim=128, depth=2, heads=4, mlp_ratio=4, dropout=0.0))
@@ -95,10 +106,12 @@ def validate(config) -> None:
              "set partition_shards or partition_min_bytes, not both.")
     _require(config.precision in PRECISIONS, "precision",
              f"{config.precision!r} is not one of {', '.join(PRECISIONS)}.")
-    from tfpar.compression import COMPRESSORS
+    from tfpar.compression import NAMES, check_config
 
-    _require(config.compression in COMPRESSORS, "compression",
-             f"{config.compression!r} is not one of {', '.join(COMPRESSORS)}.")
+    _require(config.compression in NAMES, "compression",
+             f"{config.compression!r} is not one of {', '.join(NAMES)}.")
+    problem = check_config(config)
+    _require(problem is None, "compression", str(problem))
     ca = config.compression_args
     _require(0 < ca.ratio <= 1, "compression_args.ratio", f"must be in (0, 1], got {ca.ratio}.")
     _require(ca.rank >= 1, "compression_args.rank", f"must be >= 1, got {ca.rank}.")

@@ -9,19 +9,23 @@ Example:
 
 from __future__ import annotations
 
+from tfpar.compression.auto import Auto
 from tfpar.compression.compressed_aggregator import Compression
 from tfpar.compression.compressors import (BF16, FP16, CompressionError, Compressor, Int8,
                                            NoCompression, Sign, TopK)
+from tfpar.compression.dgc import DGC
 from tfpar.compression.keras_fit import compress_fit
-from tfpar.compression.policy import Policy
+from tfpar.compression.onebit_adam import OneBitAdam
+from tfpar.compression.policy import DEFAULT_SKIP, Policy
 from tfpar.compression.powersgd import PowerSGD
 
 COMPRESSORS = {"none": NoCompression, "fp16": FP16, "bf16": BF16, "int8": Int8, "topk": TopK,
-               "powersgd": PowerSGD, "sign": Sign}
+               "powersgd": PowerSGD, "sign": Sign, "dgc": DGC}
 
 
 def get(name: str, **args) -> Compressor:
-    """A compressor by name: none, fp16, bf16, int8, topk(ratio=), powersgd(rank=), sign."""
+    """A compressor by name: none, fp16, bf16, int8, topk(ratio=), powersgd(rank=,
+    rank_schedule=), sign, dgc(ratio=, momentum=, clip_norm=, masking=, warmup_steps=, stages=)."""
     if isinstance(name, Compressor):
         return name
     key = name.lower()
@@ -33,16 +37,28 @@ def get(name: str, **args) -> Compressor:
         raise CompressionError(f"Compressor {key!r} does not take {sorted(args)}: {e}.") from None
 
 
+NAMES = (*COMPRESSORS, "onebit_adam", "auto")  # what --config.compression accepts
+
+
 def from_config(name: str, ratio: float = 0.01, rank: int = 4, min_size: int = 1024,
                 warmup_steps: int = 0, overrides: str = "", skip: str = "",
-                reset_on_restore: bool = False) -> Compression | None:
+                reset_on_restore: bool = False, embeddings: bool = False,
+                momentum: float = 0.9, clip_norm: float = 0.0, masking: bool = True,
+                sparsity_warmup_steps: int = 0, stages: int = 4, rank_schedule: str = "",
+                freeze_step: int = 100, auto_total_steps: int = 600) -> Compression | None:
     """The Compression that `--config.compression=NAME --config.compression_args.*` asks for
     (None for 'none' with no overrides). `overrides`: "regex=name,regex=name"; `skip`: a
-    comma-separated list of regexes that replaces the default skip list."""
+    comma-separated list of regexes that replaces the default skip list; `embeddings`: also
+    compress the embeddings with NAME. dgc: ratio, momentum, clip_norm, masking,
+    sparsity_warmup_steps, stages; powersgd: rank or rank_schedule ("8@0,4@300");
+    warmup_steps: the uncompressed start; onebit_adam: freeze_step, clip_norm."""
     def named(key: str) -> Compressor:
-        return get(key, **{"topk": {"ratio": ratio}, "powersgd": {"rank": rank}}.get(key.lower(), {}))
+        args = {"topk": {"ratio": ratio},
+                "powersgd": {"rank": rank, "rank_schedule": rank_schedule or None},
+                "dgc": {"ratio": ratio, "momentum": momentum, "clip_norm": clip_norm,
+                        "masking": masking, "warmup_steps": sparsity_warmup_steps, "stages": stages}}
+        return get(key, **args.get(key.lower(), {}))
 
-    compressor = named(name)
     parsed = {}
     for item in filter(None, (part.strip() for part in overrides.split(","))):
         pattern, sep, chosen = item.rpartition("=")
@@ -50,13 +66,38 @@ def from_config(name: str, ratio: float = 0.01, rank: int = 4, min_size: int = 1
             raise CompressionError(f"compression_args.overrides item {item!r} is not 'regex=name'.")
         parsed[pattern] = named(chosen.strip())
     skip_list = tuple(p.strip() for p in skip.split(",") if p.strip()) if skip else None
+    if embeddings and skip_list is None:
+        skip_list = tuple(p for p in DEFAULT_SKIP if "embed" not in p)
+    policy_args = {"skip": skip_list} if skip_list is not None else {}
+    if name.lower() == "auto":
+        return Auto(total_steps=auto_total_steps)
+    if name.lower() == "onebit_adam":
+        if parsed:
+            raise CompressionError("onebit_adam compresses every large tensor's momentum; "
+                                   "compression_args.overrides do not apply (use skip/min_size).")
+        return OneBitAdam(freeze_step=freeze_step, clip_norm=clip_norm,
+                          policy=Policy(min_size=min_size, **policy_args))
+    compressor = named(name)
     if compressor.name == "none" and not parsed:
         return None
-    policy = Policy(min_size=min_size, warmup_steps=warmup_steps, overrides=parsed,
-                    **({"skip": skip_list} if skip_list is not None else {}))
+    policy = Policy(min_size=min_size, warmup_steps=warmup_steps, overrides=parsed, **policy_args)
     return Compression(compressor, policy, reset_on_restore=reset_on_restore)
 
 
-__all__ = ["BF16", "COMPRESSORS", "Compression", "CompressionError", "Compressor", "FP16",
-           "Int8", "NoCompression", "Policy", "PowerSGD", "Sign", "TopK", "compress_fit", "from_config",
+def check_config(config) -> str | None:
+    """What --config.compression needs of --config.optimizer (None: fine). dgc and
+    onebit_adam keep momentum (and Adam's moments) themselves: plain SGD, no clipping."""
+    if config.compression not in ("dgc", "onebit_adam"):
+        return None
+    o = config.optimizer
+    if o.name != "sgd" or o.momentum or o.clip_norm:
+        return (f"{config.compression} keeps the momentum (and clipping) itself: add "
+                "--config.optimizer.name=sgd --config.optimizer.momentum=0 "
+                "--config.optimizer.clip_norm=0 (clip with --config.compression_args.clip_norm; "
+                f"got optimizer {o.name}, momentum {o.momentum}, clip_norm {o.clip_norm}).")
+    return None
+
+
+__all__ = ["Auto", "BF16", "COMPRESSORS", "Compression", "CompressionError", "Compressor", "DGC", "FP16",
+           "Int8", "NAMES", "NoCompression", "OneBitAdam", "Policy", "PowerSGD", "Sign", "TopK", "check_config", "compress_fit", "from_config",
            "get"]

@@ -21,7 +21,8 @@ import dataclasses
 import tensorflow as tf
 
 COLLECTIVE_TYPES = ("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveReduce",
-                    "CollectiveGather", "CollectiveBcastSendV2", "NcclAllReduce")
+                    "CollectiveGather", "CollectiveBcastSendV2", "NcclAllReduce",
+                    "CollectiveAllToAllV2")
 # TPUStrategy's collectives (tpu_ops): all_reduce is CrossReplicaSum; all_gather is a
 # CrossReplicaSum of value x one-hot replica mask, so its input, R x the payload, is what
 # one replica hands over; dtypes CrossReplicaSum lacks gather through AllToAll of the value
@@ -29,6 +30,11 @@ COLLECTIVE_TYPES = ("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveReduc
 TPU_COLLECTIVE_TYPES = ("CrossReplicaSum", "AllToAll", "CollectivePermute", "XlaAllReduce",
                         "XlaReduceScatter")
 COLLECTIVE_TYPES = COLLECTIVE_TYPES + TPU_COLLECTIVE_TYPES
+
+# Bytes a worker transmits per byte it hands to the collective, on a ring / pairwise
+# exchange of R workers: what a link carries, unlike the handed bytes for a gather.
+LINK_FACTORS = {"reduce": lambda r: 2 * (r - 1) / r, "gather": lambda r: r - 1.0,
+                "all_to_all": lambda r: (r - 1) / r, "bcast": lambda r: 1.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +92,16 @@ _CALLING = {"While": ("body",), "StatelessWhile": ("body",), "PartitionedCall": 
             "StatefulPartitionedCall": ("f",)}
 
 
-def executed_bytes(concrete_function, in_loops_only: bool = False) -> collections.Counter:
+def _kind(op_type: str) -> str:
+    if "AllToAll" in op_type:
+        return "all_to_all"
+    if "Gather" in op_type:
+        return "gather"
+    return "bcast" if "Bcast" in op_type else "reduce"
+
+
+def executed_bytes(concrete_function, in_loops_only: bool = False,
+                   weight=None) -> collections.Counter:
     """Bytes per device that one execution hands to collectives: loop bodies once, the
     larger branch of each conditional (only one runs), called functions included.
     Collectives of data-dependent size count 0 here (see `dynamic`). `in_loops_only`:
@@ -108,7 +123,7 @@ def executed_bytes(concrete_function, in_loops_only: bool = False) -> collection
         total = collections.Counter()
         for op in graph.get_operations():
             if op.type in COLLECTIVE_TYPES and counting:
-                total[op.device] += _describe(op).bytes or 0
+                total[op.device] += (_describe(op).bytes or 0) * (weight(op.type) if weight else 1)
             elif op.type in _BRANCHING:
                 branches = [count(g, counting) for g in functions(op, _BRANCHING[op.type])]
                 for device in set().union(*branches):
@@ -125,6 +140,18 @@ def executed_bytes(concrete_function, in_loops_only: bool = False) -> collection
 def bytes_per_replica(concrete_function, in_loops_only: bool = False) -> int:
     """Bytes one replica hands to collectives per execution (the busiest device)."""
     return max(executed_bytes(concrete_function, in_loops_only).values(), default=0)
+
+
+def link_bytes_per_worker(concrete_function, replicas: int, in_loops_only: bool = True) -> float:
+    """Bytes one replica transmits per execution (ring all-reduce 2(R-1)/R of its payload,
+    all-gather (R-1)x, all-to-all (R-1)/R): the number that grows, or not, with R."""
+    weight = lambda op_type: LINK_FACTORS[_kind(op_type)](replicas)  # noqa: E731
+    return max(executed_bytes(concrete_function, in_loops_only, weight).values(), default=0)
+
+
+def analytic_link_bytes(handed: dict, replicas: int) -> float:
+    """The same from analytic handed bytes by kind: {'reduce'|'gather'|'all_to_all': bytes}."""
+    return sum(LINK_FACTORS[kind](replicas) * b for kind, b in handed.items())
 
 
 def dynamic(found: list[Collective]) -> list[Collective]:

@@ -7,7 +7,11 @@ one per cheaper dtype, one all-gather for every packed payload, and two all-redu
 all PowerSGD matrices. Nothing is reduced twice: the Trainer keeps Keras from its own
 all-reduce, so these are the only collectives on the gradients.
 
-Error-feedback residuals and PowerSGD's warm-start Q are variables with one copy per
+DGC (tfpar.compression.dgc) takes the whole step (momentum correction touches every
+tensor). DGC's density warm-up and PowerSGD's rank schedule are stages after the
+policy's uncompressed start: each stage is a phase, traced once, with static sizes.
+
+Error-feedback residuals, DGC's velocities and PowerSGD's warm-start Q are variables with one copy per
 replica (ON_READ). They are checkpointed with the model: a checkpoint stores their mean
 over replicas and a restore gives each replica that mean, so the total residual (what the
 replicas still owe the model) is kept; `reset_on_restore=True` leaves them out instead.
@@ -24,8 +28,10 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from tfpar.compression import dgc as dgc_lib
 from tfpar.compression.compressors import (CompressionError, Compressor, GatherCompressor,
                                            ReduceCompressor)
+from tfpar.compression.dgc import DGC
 from tfpar.compression.policy import Policy
 from tfpar.compression.powersgd import PowerSGD
 from tfpar.loop.aggregation import GradientAggregator, densify_if_smaller, multi_worker
@@ -59,15 +65,43 @@ class Compression(tf.Module, GradientAggregator):
         """Chooses a compressor per variable and creates the per-replica state."""
         _check_dtype_support(self.compressor, tf.distribute.get_strategy())
         self.paths = [getattr(v, "path", v.name) for v in variables]
+        for path, v in zip(self.paths, variables):
+            wanted = self.policy.wanted(path, tuple(v.shape), self.compressor)
+            if isinstance(wanted, PowerSGD):
+                wanted.check_shape(path, tuple(v.shape))
         self.plan = [self.policy.choose(path, tuple(v.shape), self.compressor)
                      for path, v in zip(self.paths, variables)]
+        self._check_plan()
         for index, (path, variable, chosen) in enumerate(zip(self.paths, variables, self.plan)):
-            if chosen is None or not chosen.error_feedback:
-                continue
-            slots = {"residual": _per_replica(tf.zeros(variable.shape, tf.float32), "residual")}
+            slots = {}
+            if isinstance(self.compressor, DGC):  # momentum for every tensor
+                slots["velocity"] = _per_replica(tf.zeros(variable.shape, tf.float32), "velocity")
+            if chosen is not None and chosen.error_feedback:
+                slots["residual"] = _per_replica(tf.zeros(variable.shape, tf.float32), "residual")
             if isinstance(chosen, PowerSGD):
                 slots["q"] = _per_replica(chosen.initial_q(variable.shape, index), "q")
-            self.state[_state_name(index, path)] = slots
+            if slots:
+                self.state[_state_name(index, path)] = slots
+
+    def _check_plan(self) -> None:
+        chosen = {type(c) for c in self.plan if c is not None}
+        if isinstance(self.compressor, DGC) and chosen - {DGC}:
+            raise CompressionError("dgc compresses with momentum correction and cannot share a step "
+                                   "with other compressors: overrides may only say 'dgc' or 'none'.")
+        if DGC in chosen and not isinstance(self.compressor, DGC):
+            raise CompressionError("dgc must be the main compressor (Compression(DGC(...))), not an "
+                                   "override: its momentum covers every tensor.")
+        staged = {repr(c) for c in self.plan if isinstance(c, (PowerSGD, DGC))}
+        if len(staged) > 1:
+            raise CompressionError(f"One schedule per run: the policy picked {sorted(staged)}; give "
+                                   "overrides the same powersgd/dgc as the main compressor.")
+
+    def check_optimizer(self, optimizer) -> None:
+        """Refuses a Keras optimizer that cannot apply what this compressor returns (DGC:
+        SGD without momentum or clipping). tfpar's train binary and compress_fit call it."""
+        check = getattr(self.compressor, "check_optimizer", None)
+        if check is not None:
+            check(optimizer)
 
     def checkpoint_items(self) -> dict:
         """What the Trainer adds to its checkpoint (nothing with reset_on_restore)."""
@@ -75,14 +109,33 @@ class Compression(tf.Module, GradientAggregator):
 
     # -- warm-up: the Trainer traces one step per phase ----------------------------------
 
-    def boundaries(self) -> tuple[int, ...]:
-        return (self.policy.warmup_steps,) if self.policy.warmup_steps else ()
+    def _stages(self) -> list[tuple[int, object]]:
+        """(first step after the uncompressed start, parameter) of each compressed stage."""
+        staged = getattr(self.compressor, "stages_at", None)
+        return staged() if staged is not None else [(0, None)]
 
-    def phase(self, step: int) -> str:
-        return "warmup" if step < self.policy.warmup_steps else "compressed"
+    def boundaries(self) -> tuple[int, ...]:
+        start = self.policy.warmup_steps
+        cuts = {start + s for s, _ in self._stages()} - {0}
+        return tuple(sorted(cuts))
+
+    def phase(self, step: int):
+        """'warmup', 'compressed', or ('compressed', density or rank) for a staged compressor."""
+        if step < self.policy.warmup_steps:
+            return "warmup"
+        stages = self._stages()
+        param = [p for s, p in stages if s <= step - self.policy.warmup_steps][-1]
+        return "compressed" if len(stages) == 1 else ("compressed", param)
 
     def set_phase(self, phase) -> None:
         self._phase = phase
+
+    def _param(self, phase=None):
+        """The stage parameter (DGC density, PowerSGD rank) of `phase` (default: traced one)."""
+        phase = self._phase if phase is None else phase
+        if isinstance(phase, tuple):
+            return phase[1]
+        return None if phase == "warmup" else self._stages()[-1][1]
 
     # -- the step (replica context) ------------------------------------------------------
 
@@ -97,6 +150,10 @@ class Compression(tf.Module, GradientAggregator):
             if not tensors or not communicate:
                 return list(tensors)
             return context.all_reduce(tf.distribute.ReduceOp.SUM, list(tensors))
+
+        if isinstance(self.compressor, DGC):
+            return self._dgc_step(gradients, variables, replicas, all_reduce,
+                                  lambda w: _all_gather_words(context, w) if communicate else w)
 
         # float32 and cheaper-dtype tensors: one fused all-reduce per wire dtype.
         by_dtype: dict = {}
@@ -134,11 +191,18 @@ class Compression(tf.Module, GradientAggregator):
                                 + tf.reshape(slots["residual"], [n, m]))
                 residuals.append(slots["residual"])
                 qs.append(slots["q"])
-            approx = psgd.aggregate(matrices, qs, all_reduce)
+            approx = psgd.aggregate(matrices, qs, all_reduce, self._param())
             for i, matrix, residual, total in zip(low_rank, matrices, residuals, approx):
                 residual.assign(tf.reshape(matrix - total / replicas, residual.shape))
                 result[i] = tf.reshape(total, variables[i].shape)
         return result
+
+    def _dgc_step(self, gradients, variables, replicas, all_reduce, all_gather) -> list:
+        slots = [self.state[_state_name(i, p)] for i, p in enumerate(self.paths)]
+        density = 1.0 if self._phase == "warmup" else self._param()
+        return dgc_lib.aggregate(self.compressor, slots, [_dense(g, v) for g, v in zip(gradients, variables)],
+                                 [c is not None for c in self.plan], density, replicas,
+                                 all_reduce, all_gather)
 
     def _encode_with_feedback(self, index: int, compressor: GatherCompressor, gradient) -> tf.Tensor:
         flat = tf.reshape(gradient, [-1])
@@ -153,14 +217,20 @@ class Compression(tf.Module, GradientAggregator):
 
     # -- byte accounting -----------------------------------------------------------------
 
-    def payload_bytes(self, variables: Sequence[tf.Variable], phase: str = "compressed") -> dict:
-        """Analytic bytes per replica per step, per variable path, plus '(size exchange)'."""
+    def payload_bytes(self, variables: Sequence[tf.Variable], phase="compressed") -> dict:
+        """Analytic bytes per replica per step, per variable path, plus '(size exchange)'.
+        `phase`: one of `phase(step)`'s values ('compressed': the last stage)."""
         plan = [None] * len(variables) if phase == "warmup" else self.plan
+        param = self._param(phase)
         report, gathers = {}, False
         for path, variable, chosen in zip(self.paths, variables, plan):
             size = int(variable.shape.num_elements())
-            report[path] = (chosen.payload_bytes(size, variable.shape) if chosen else 4 * size)
-            gathers |= isinstance(chosen, GatherCompressor)
+            if isinstance(chosen, (DGC, PowerSGD)):
+                report[path] = chosen.payload_bytes(size, variable.shape, param)
+            else:
+                report[path] = chosen.payload_bytes(size, variable.shape) if chosen else 4 * size
+            gathers |= isinstance(chosen, GatherCompressor) or (
+                isinstance(chosen, DGC) and param < 1)
         if gathers:
             report["(size exchange)"] = SIZE_EXCHANGE_BYTES
         return report

@@ -4,7 +4,9 @@ Keras 3's optimizer sums gradients across replicas inside `apply`, in the replic
 context, with one call (`_all_reduce_sum_gradients`). `compress_fit` puts a Compression
 in that place, so `model.fit` under the injected strategy sends every gradient once,
 through the compressor; the rest of fit (metrics, callbacks, steps_per_execution) is
-untouched. Warm-up steps need tfpar's loop (fit traces one step) and are refused here.
+untouched. Anything with phases (warm-up steps, DGC's density warm-up, PowerSGD's rank
+schedule, 1-bit Adam's freeze) needs tfpar's loop (fit traces one step) and is refused
+here; DGC without warm-up works (SGD without momentum, see DGC.check_optimizer).
 
 Example:
     >>> with strategy.scope():
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import keras
 
+from tfpar.compression.auto import Auto
 from tfpar.compression.compressed_aggregator import Compression
 from tfpar.compression.compressors import CompressionError, Compressor
 
@@ -29,9 +32,21 @@ def compress_fit(model: keras.Model, compression: Compressor | Compression) -> C
     if getattr(model, "optimizer", None) is None:
         raise CompressionError("compress_fit needs a compiled model: call model.compile(...) first.")
     compression = compression if isinstance(compression, Compression) else Compression(compression)
+    if isinstance(compression, Auto):
+        raise CompressionError("compression='auto' may pick a compressor with an uncompressed start, "
+                               "which Keras fit cannot run (it traces one train step): use "
+                               "tfpar.Trainer (--config.mode=loop), or name a compressor for fit.")
     if compression.policy.warmup_steps:
         raise CompressionError("Compression warm-up steps need tfpar.Trainer (Keras fit traces a "
                                "single train step). Set warmup_steps=0 for fit.")
+    if compression.boundaries():
+        raise CompressionError(
+            f"{compression.compressor if type(compression) is Compression else compression!r} changes "
+            f"phase at steps {list(compression.boundaries())} (a warm-up, a density or rank "
+            "schedule, 1-bit Adam's freeze): Keras fit traces a single train step, so this needs "
+            "tfpar.Trainer (--config.mode=loop). In fit use dgc without warmup_steps, powersgd "
+            "without rank_schedule.")
+    compression.check_optimizer(model.optimizer)
     variables = list(model.trainable_weights)
     compression.build(variables)
     optimizer = model.optimizer

@@ -41,15 +41,19 @@ class Policy:
 
     def choose(self, path: str, shape, default: Compressor) -> Compressor | None:
         """The compressor for the variable at `path` (None: plain float32 all-reduce)."""
+        wanted = self.wanted(path, shape, default)
+        return None if wanted is None else self._fit(wanted, shape)
+
+    def wanted(self, path: str, shape, default: Compressor) -> Compressor | None:
+        """What the overrides and skip rules ask for, before checking that it applies."""
         from tfpar.compression import get  # names -> compressors
 
         for pattern, chosen in self.overrides.items():
             if re.search(pattern, path):
-                chosen = get(chosen) if isinstance(chosen, str) else chosen
-                return self._fit(chosen, shape)
+                return get(chosen) if isinstance(chosen, str) else chosen
         if math.prod(shape) < self.min_size or any(re.search(p, path) for p in self.skip):
             return None
-        return self._fit(default, shape)
+        return default
 
     @staticmethod
     def _fit(compressor: Compressor, shape) -> Compressor | None:

@@ -8,15 +8,21 @@ of the replicas' matrices. Q' is kept for the next step (warm start), and so is 
 replica's share of what the approximation missed. All matrices go in one all-reduce per
 phase. Exact whenever the summed matrix has rank <= r.
 
+A rank schedule ({first step: rank}, counted from the end of the policy's uncompressed
+start, torch's `start_powerSGD_iter`) changes r during training: Q is kept at the largest
+rank and each stage warm-starts from its first r columns; every stage is its own traced
+step, so its bytes are counted exactly.
+
 Example:
     >>> psgd = PowerSGD(rank=4)
     >>> psgd.matrix_shape([4, 32, 128])      # (128, 128): not (4, 4096)
+    >>> PowerSGD(rank_schedule="8@0,4@300").stages_at()     # [(0, 8), (300, 4)]
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import tensorflow as tf
 
@@ -31,10 +37,26 @@ class PowerSGD(Compressor):
     name = "powersgd"
     error_feedback = True
 
-    def __init__(self, rank: int = 4, seed: int = 0):
-        if rank < 1:
-            raise CompressionError(f"powersgd rank must be >= 1, got {rank}.")
-        self.rank, self.seed = rank, seed
+    def __init__(self, rank: int = 4, seed: int = 0, rank_schedule: str | Mapping[int, int] | None = None):
+        self.schedule = parse_rank_schedule(rank_schedule) if rank_schedule else [(0, rank)]
+        if any(r < 1 for _, r in self.schedule):
+            raise CompressionError(f"powersgd rank must be >= 1, got {rank_schedule or rank}.")
+        self.rank, self.seed = self.schedule[-1][1], seed
+        self.max_rank = max(r for _, r in self.schedule)
+
+    def stages_at(self) -> list[tuple[int, int]]:
+        """(first step, counted from the start of compression, rank) per stage."""
+        return list(self.schedule)
+
+    def check_shape(self, path: str, shape) -> None:
+        """Refuses a matrix smaller than the rank (the policy chose PowerSGD for it)."""
+        if len(shape) < 2:
+            return
+        n, m = self.matrix_shape(shape)
+        if self.max_rank > min(n, m):
+            raise CompressionError(
+                f"powersgd rank {self.max_rank} is larger than the matrix {path!r} ({n}x{m}): use "
+                f"rank <= {min(n, m)}, or leave it out (compression_args.skip / Policy(skip=...)).")
 
     @staticmethod
     def matrix_shape(shape) -> tuple[int, int]:
@@ -48,26 +70,50 @@ class PowerSGD(Compressor):
         if len(shape) < 2:
             return False
         n, m = self.matrix_shape(shape)
-        return self.rank * (n + m) < n * m  # only where it sends fewer bytes
+        return self.max_rank * (n + m) < n * m  # only where it sends fewer bytes
 
-    def payload_bytes(self, size, shape=None):
+    def payload_bytes(self, size, shape=None, param=None):
         n, m = self.matrix_shape(shape)
-        return 4 * self.rank * (n + m)
+        return 4 * (param or self.rank) * (n + m)
 
     def initial_q(self, shape, index: int) -> tf.Tensor:
         """The same random start on every replica (seeded by the tensor's index)."""
         _, m = self.matrix_shape(shape)
-        return tf.random.stateless_normal([m, self.rank], seed=[self.seed, index])
+        return tf.random.stateless_normal([m, self.max_rank], seed=[self.seed, index])
 
     def aggregate(self, matrices: Sequence[tf.Tensor], qs: Sequence[tf.Variable],
-                  all_reduce: Callable[[list], list]) -> list[tf.Tensor]:
-        """Summed rank-r approximations of `matrices` ([n, m] each); updates `qs`."""
-        ps = all_reduce([tf.matmul(m, q) for m, q in zip(matrices, qs)])
+                  all_reduce: Callable[[list], list], rank: int | None = None) -> list[tf.Tensor]:
+        """Summed rank-r approximations of `matrices` ([n, m] each); updates `qs` (their
+        first r columns; r = `rank`, default the final rank)."""
+        rank = rank or self.rank
+        ps = all_reduce([tf.matmul(m, q[:, :rank]) for m, q in zip(matrices, qs)])  # [n, r]
         p_hats = [tf.linalg.qr(p)[0] for p in ps]
         new_qs = all_reduce([tf.matmul(m, p, transpose_a=True) for m, p in zip(matrices, p_hats)])
         for q, new in zip(qs, new_qs):
-            q.assign(new)
+            q.assign(new if rank == self.max_rank else tf.concat([new, q[:, rank:]], 1))
         return [tf.matmul(p, q, transpose_b=True) for p, q in zip(p_hats, new_qs)]
 
     def __repr__(self):
+        if len(self.schedule) > 1:
+            return "powersgd(" + ",".join(f"{r}@{s}" for s, r in self.schedule) + ")"
         return f"powersgd({self.rank})"
+
+
+def parse_rank_schedule(schedule: str | Mapping[int, int]) -> list[tuple[int, int]]:
+    """"8@0,4@300" or {0: 8, 300: 4} -> [(0, 8), (300, 4)]; starts at step 0, steps rising."""
+    if isinstance(schedule, str):
+        pairs = []
+        for item in filter(None, (p.strip() for p in schedule.split(","))):
+            rank, sep, step = item.partition("@")
+            if not sep or not rank.strip().isdigit() or not step.strip().isdigit():
+                raise CompressionError(f"powersgd rank_schedule item {item!r} is not 'RANK@STEP' "
+                                       "(e.g. '8@0,4@300').")
+            pairs.append((int(step), int(rank)))
+    else:
+        pairs = [(int(s), int(r)) for s, r in schedule.items()]
+    steps = [s for s, _ in pairs]
+    if not pairs or steps[0] != 0 or any(b <= a for a, b in zip(steps, steps[1:])):
+        raise CompressionError(
+            f"powersgd rank_schedule {schedule!r} must start at step 0 and its steps must rise "
+            "(a stage cannot end before it starts), e.g. '8@0,4@300'.")
+    return pairs

@@ -1,0 +1,348 @@
+"""DGC and PowerSGD's schedules: exact cases, error feedback with momentum, bytes, refusals."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from test_compression import mirrored, mlp, mlp_data, run_per_replica
+from tfpar import compression as C
+from tfpar.loop import Trainer
+
+
+@pytest.fixture(scope="module")
+def weights():
+    keras.utils.set_random_seed(0)
+    return mlp().get_weights()
+
+
+def train(strategy, weights, compression, momentum=0.0, steps=6, lr=0.1, **options):
+    with strategy.scope():
+        model = mlp()
+        model.set_weights(weights)
+        optimizer = keras.optimizers.SGD(lr, momentum=momentum)
+    trainer = Trainer(model, optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      strategy=strategy, compression=compression, **options)
+    dataset = strategy.experimental_distribute_dataset(mlp_data(steps=steps))
+    trainer.fit(dataset, steps=steps)
+    return model.get_weights(), trainer, dataset
+
+
+def gap(a, b):
+    return max(np.abs(x - y).max() for x, y in zip(a, b))
+
+
+# -- DGC -----------------------------------------------------------------------------------
+
+def test_dgc_density_one_is_sgd_with_momentum(weights):
+    """Momentum moved into the compressor: at density 1 nothing is left behind or masked."""
+    strategy = mirrored(2)
+    reference, _, _ = train(strategy, weights, None, momentum=0.9)
+    got, _, _ = train(strategy, weights, C.Compression(C.DGC(ratio=1.0, momentum=0.9), C.Policy(min_size=0)))
+    assert gap(got, reference) < 1e-5
+    # the default policy leaves small tensors out: momentum on their all-reduced sum, same result
+    got, _, _ = train(strategy, weights, C.Compression(C.DGC(ratio=1.0, momentum=0.9)))
+    assert gap(got, reference) < 1e-5
+
+
+@pytest.mark.slow
+def test_dgc_warmup_steps_are_sgd_with_momentum_and_then_it_compresses(weights):
+    strategy = mirrored(2)
+    reference, _, _ = train(strategy, weights, None, momentum=0.9, steps=3)
+    compression = C.Compression(C.DGC(ratio=0.05, momentum=0.9), C.Policy(min_size=0, warmup_steps=3))
+    got, _, _ = train(strategy, weights, compression, steps=3)
+    assert gap(got, reference) < 1e-5
+    longer, _, _ = train(strategy, weights, None, momentum=0.9, steps=6)
+    got, _, _ = train(strategy, weights, compression, steps=6)
+    assert gap(got, longer) > 1e-4
+
+
+def test_dgc_error_feedback_and_masking_identities():
+    """One replica: sent + new accumulation == old accumulation + new velocity, and the
+    velocity is zero exactly where something was sent."""
+    dgc = C.DGC(ratio=0.05, momentum=0.9)
+    variables = [tf.Variable(tf.zeros([24, 20]))]
+    compression = C.Compression(dgc, C.Policy(min_size=0))
+    compression.build(variables)
+    slots = compression.state[next(iter(compression.state))]
+    step = tf.function(lambda g: compression([g], variables)[0])
+    rng = np.random.RandomState(0)
+    for _ in range(4):
+        gradient = rng.normal(size=(24, 20)).astype("float32")
+        old_v, old_u = slots["residual"].numpy().copy(), slots["velocity"].numpy().copy()
+        sent = step(tf.constant(gradient)).numpy()
+        velocity = 0.9 * old_u + gradient
+        np.testing.assert_allclose(sent + slots["residual"].numpy(), old_v + velocity, rtol=1e-5, atol=1e-5)
+        assert (sent != 0).sum() == dgc.k(480, 0.05)
+        np.testing.assert_array_equal(slots["velocity"].numpy()[sent != 0], 0)
+        np.testing.assert_allclose(slots["velocity"].numpy()[sent == 0], velocity[sent == 0], rtol=1e-6)
+
+
+def test_dgc_local_clipping_scales_the_threshold_by_replicas():
+    strategy = mirrored(4)
+    with strategy.scope():
+        variables = [tf.Variable(tf.zeros([30, 20]))]
+        compression = C.Compression(C.DGC(ratio=1.0, momentum=0.0, clip_norm=1.0), C.Policy(min_size=0))
+        compression.build(variables)
+    grads = np.stack([np.full((30, 20), 1.0 + r, np.float32) for r in range(4)])
+    results = run_per_replica(strategy, lambda r, g: compression([tf.gather(g, r)], variables), tf.constant(grads))
+    expected = sum(g * min(1.0, 0.5 / np.linalg.norm(g)) for g in grads)  # 1 / sqrt(4)
+    for replica in results:
+        np.testing.assert_allclose(replica[0], expected, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_dgc_sparsity_warmup_is_exponential_and_traced_per_stage(weights):
+    dgc = C.DGC(ratio=0.001, warmup_steps=200)
+    sparsity = [round(100 * (1 - d), 2) for d in dgc.densities()]
+    assert sparsity == [74.88, 93.69, 98.42, 99.6, 99.9]
+    strategy = mirrored(2)
+    compression = C.Compression(C.DGC(ratio=0.02, warmup_steps=4, stages=2), C.Policy(min_size=0, warmup_steps=1))
+    _, trainer, dataset = train(strategy, weights, compression, steps=6)
+    assert compression.boundaries() == (1, 3, 5)
+    phases = [compression.phase(s) for s in range(7)]
+    assert phases[0] == "warmup" and phases[-1] == ("compressed", 0.02)
+    assert len(set(phases)) == 4
+    variables = trainer.model.trainable_variables
+    for phase in set(phases):
+        counted = C.accounting.bytes_per_replica(trainer.traced_step(dataset, phase), in_loops_only=True)
+        assert counted == sum(compression.payload_bytes(variables, phase).values()), phase
+    assert trainer.wire_bytes(dataset)["ratio"] > 10
+
+
+def test_dgc_refuses_optimizers_that_would_apply_momentum_twice():
+    dgc = C.Compression(C.DGC())
+    with pytest.raises(C.CompressionError, match="dgc keeps the momentum itself.*momentum=0.9"):
+        dgc.check_optimizer(keras.optimizers.SGD(0.1, momentum=0.9))
+    with pytest.raises(C.CompressionError, match="not Adam"):
+        dgc.check_optimizer(keras.optimizers.Adam())
+    with pytest.raises(C.CompressionError, match="local clipping"):
+        dgc.check_optimizer(keras.optimizers.SGD(0.1, global_clipnorm=1.0))
+    dgc.check_optimizer(keras.optimizers.SGD(0.1))
+    with pytest.raises(C.CompressionError, match="ends before its 4 stages start"):
+        C.DGC(warmup_steps=2)
+    with pytest.raises(C.CompressionError, match="dgc ratio"):
+        C.get("dgc", ratio=2.0)
+    with pytest.raises(C.CompressionError, match="overrides may only say 'dgc' or 'none'"):
+        C.Compression(C.DGC(), C.Policy(min_size=0, overrides={"dense": "topk"})).build(
+            [tf.Variable(tf.zeros([40, 40]), name="dense")])
+
+
+def test_dgc_state_checkpoint_round_trip(tmp_path, weights):
+    strategy = mirrored(2)
+    compression = C.Compression(C.DGC(ratio=0.05), C.Policy(min_size=0))
+    _, trainer, _ = train(strategy, weights, compression, steps=3)
+    saved = {k: {n: v.numpy() for n, v in slots.items()} for k, slots in compression.state.items()}
+    assert all(np.abs(s["velocity"]).max() > 0 for s in saved.values())
+    checkpoint = tf.train.Checkpoint(**trainer.checkpoint_items())
+    path = checkpoint.save(str(tmp_path / "ckpt"))
+    for slots in compression.state.values():
+        for v in slots.values():
+            v.assign(tf.zeros_like(v))
+    checkpoint.restore(path)
+    for key, slots in compression.state.items():
+        for name, variable in slots.items():
+            for value in strategy.experimental_local_results(variable):
+                np.testing.assert_allclose(value, saved[key][name], rtol=1e-6)
+
+
+# -- PowerSGD: uncompressed start, rank schedule --------------------------------------------
+
+@pytest.mark.slow
+def test_powersgd_rank_schedule_stages_and_bytes(weights):
+    strategy = mirrored(2)
+    psgd = C.PowerSGD(rank_schedule="8@0,2@2")
+    compression = C.Compression(psgd, C.Policy(warmup_steps=2))  # the 64x4 head stays out
+    _, trainer, dataset = train(strategy, weights, compression, steps=6)
+    assert compression.boundaries() == (2, 4)
+    assert [compression.phase(s) for s in (0, 2, 4)] == ["warmup", ("compressed", 8), ("compressed", 2)]
+    variables = trainer.model.trainable_variables
+    for phase in ("warmup", ("compressed", 8), ("compressed", 2)):
+        counted = C.accounting.bytes_per_replica(trainer.traced_step(dataset, phase), in_loops_only=True)
+        assert counted == sum(compression.payload_bytes(variables, phase).values()), phase
+    assert repr(psgd) == "powersgd(8@0,2@2)"
+
+
+def test_powersgd_uncompressed_start_equals_the_plain_loop(weights):
+    strategy = mirrored(2)
+    reference, _, _ = train(strategy, weights, None, momentum=0.9, steps=4)
+    got, _, _ = train(strategy, weights, C.Compression(C.PowerSGD(2), C.Policy(min_size=0, warmup_steps=4)),
+                      momentum=0.9, steps=4)
+    assert gap(got, reference) < 1e-6
+
+
+def test_powersgd_full_rank_stage_is_exact_and_leaves_nothing_behind():
+    strategy = mirrored(2)
+    rng = np.random.RandomState(4)
+    per_replica = rng.normal(size=(2, 12, 40)).astype("float32")
+    with strategy.scope():
+        variables = [tf.Variable(tf.zeros([12, 40]))]
+        compression = C.Compression(C.PowerSGD(rank_schedule={0: 12, 5: 2}), C.Policy(min_size=0))
+        compression.build(variables)
+    compression.set_phase(("compressed", 12))
+    results = run_per_replica(strategy, lambda r, g: compression([tf.gather(g, r)], variables),
+                              tf.constant(per_replica))
+    for replica in results:
+        np.testing.assert_allclose(replica[0], per_replica.sum(0), rtol=1e-4, atol=1e-4)
+
+
+def test_powersgd_bad_schedules_and_ranks_are_refused_at_start():
+    with pytest.raises(C.CompressionError, match="must start at step 0 and its steps must rise"):
+        C.PowerSGD(rank_schedule="8@300,4@100")
+    with pytest.raises(C.CompressionError, match="must start at step 0"):
+        C.PowerSGD(rank_schedule="4@10")
+    with pytest.raises(C.CompressionError, match="is not 'RANK@STEP'"):
+        C.PowerSGD(rank_schedule="4-0")
+    compression = C.Compression(C.PowerSGD(rank=8), C.Policy(min_size=0))
+    with pytest.raises(C.CompressionError, match=r"rank 8 is larger than the matrix 'thin(:0)?' \(6x50\)"):
+        compression.build([tf.Variable(tf.zeros([6, 50]), name="thin")])
+    with pytest.raises(C.CompressionError, match="does not take"):
+        C.get("powersgd", ratio=0.1)
+
+
+# -- two worker processes --------------------------------------------------------------------
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_new_compressors_run_on_two_worker_processes(tmp_path):
+    """dgc, powersgd (start + rank schedule) and 1-bit Adam (its all-to-all) across two
+    processes: both workers end equal, bytes counted == analytic in every phase, and dgc at
+    density 1 equals one device with SGD + momentum."""
+    from procs import launch
+    from scripts import fit_model
+
+    result = launch(2, "compression_schedules_worker.py", str(tmp_path), timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:]
+    wires = [l.split()[1:] for l in result.stdout.splitlines() if "[worker:0] WIRE " in l]
+    assert {w[1] for w in wires} >= {"dgc_dense", "dgc", "powersgd", "onebit_adam"}, wires
+    for _, name, phase, counted, analytic in [l.split("] ")[1].split() for l in result.stdout.splitlines()
+                                              if "[worker:0] WIRE " in l]:
+        assert int(counted) == int(analytic) > 0, (name, phase, counted, analytic)
+
+    def load(name, worker):
+        saved = np.load(tmp_path / f"{name}_{worker}.npz")
+        return [saved[f"arr_{i}"] for i in range(len(saved.files))]
+
+    for name in ("dgc_dense", "dgc", "powersgd", "onebit_adam"):
+        for a, b in zip(load(name, 0), load(name, 1)):
+            np.testing.assert_array_equal(a, b)
+    with tf.distribute.get_strategy().scope():
+        model = fit_model.build_model()
+        model.set_weights(fit_model.initial_weights())
+    trainer = Trainer(model, keras.optimizers.SGD(0.1, momentum=0.9),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    trainer.fit(fit_model.dataset(), steps=fit_model.STEPS)
+    assert gap(load("dgc_dense", 0), model.get_weights()) < 1e-5
+
+
+# -- convergence, through the training binary -----------------------------------------------
+
+SGD = "optimizer.name=sgd;optimizer.momentum=0;optimizer.clip_norm=0"
+BINARY_RUNS = {
+    "dgc": f"dgc:compression_args.ratio=0.01;compression_args.sparsity_warmup_steps=100;"
+           f"compression_args.clip_norm=1.0;optimizer.learning_rate=0.3;{SGD}",
+    "onebit_adam": f"onebit_adam:compression_args.freeze_step=100;compression_args.clip_norm=1.0;{SGD}",
+    "powersgd": "powersgd:compression_args.rank_schedule=8@0,4@150;compression_args.warmup_steps=30",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(BINARY_RUNS))
+def test_new_compressors_learn_the_reverse_task_through_the_binary(tmp_path, name):
+    """reverse_tiny on 2 replicas, 300 steps, through tfpar.train in loop mode: dgc(0.01)
+    with a density warm-up, 1-bit Adam after 100 Adam steps and PowerSGD with an
+    uncompressed start and a rank schedule each reach the exact-sequence accuracy that the
+    uncompressed run reaches (>= 0.95, see test_compression)."""
+    import json
+
+    from procs import SCRIPTS, run_python
+
+    done = run_python([str(SCRIPTS / "compression_convergence.py"), str(tmp_path), "300",
+                       BINARY_RUNS[name]], timeout=580)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = [json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert [r["compression"] for r in results] == [name]
+    assert results[0]["exact"] >= 0.95, results[0]
+
+
+# -- config and Keras fit ----------------------------------------------------------------------
+
+def test_config_builds_the_new_compressors_and_refuses_what_cannot_work():
+    from tfpar.config import ConfigError, base_config, validate
+
+    config = base_config()
+    config.mode, config.compression = "loop", "dgc"
+    with pytest.raises(ConfigError, match="config.compression: dgc keeps the momentum .*--config.optimizer.name=sgd"):
+        validate(config)
+    config.optimizer.update(dict(name="sgd", momentum=0.0, clip_norm=0.0))
+    validate(config)
+    config.compression = "onebit_adam"
+    validate(config)
+    config.compression = "zip"
+    with pytest.raises(ConfigError, match="'zip' is not one of .*dgc, onebit_adam"):
+        validate(config)
+    dgc = C.from_config("dgc", ratio=0.001, sparsity_warmup_steps=100, clip_norm=1.0, embeddings=True)
+    assert isinstance(dgc.compressor, C.DGC) and dgc.compressor.warmup_steps == 100
+    assert not any("embed" in p for p in dgc.policy.skip)
+    psgd = C.from_config("powersgd", rank_schedule="8@0,4@300", warmup_steps=50)
+    assert psgd.compressor.stages_at() == [(0, 8), (300, 4)] and psgd.boundaries() == (50, 350)
+    assert isinstance(C.from_config("onebit_adam", freeze_step=7), C.OneBitAdam)
+    with pytest.raises(C.CompressionError, match="ends before its 4 stages start"):
+        C.from_config("dgc", sparsity_warmup_steps=3)
+
+
+@pytest.mark.slow
+def test_keras_fit_takes_dgc_and_refuses_phases_by_name(weights):
+    strategy = mirrored(2)
+
+    def fit(optimizer, compression=None):
+        with strategy.scope():
+            model = mlp()
+            model.set_weights(weights)
+            model.compile(optimizer=optimizer(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            if compression is not None:
+                C.compress_fit(model, compression)
+        model.fit(mlp_data(), epochs=1, verbose=0, shuffle=False)
+        return model.get_weights()
+
+    plain = fit(lambda: keras.optimizers.SGD(0.1, momentum=0.9))
+    got = fit(lambda: keras.optimizers.SGD(0.1), C.Compression(C.DGC(ratio=1.0), C.Policy(min_size=0)))
+    assert gap(got, plain) < 1e-5
+    model = mlp()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    for phased in (C.Compression(C.DGC(warmup_steps=8)), C.OneBitAdam(freeze_step=5),
+                   C.Compression(C.PowerSGD(rank_schedule="4@0,2@9"))):
+        with pytest.raises(C.CompressionError, match="changes phase at steps .* needs tfpar.Trainer"):
+            C.compress_fit(model, phased)
+    with pytest.raises(C.CompressionError, match="compression='auto' .* use tfpar.Trainer"):
+        C.compress_fit(model, C.Auto())
+    model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
+    with pytest.raises(C.CompressionError, match="dgc keeps the momentum itself"):
+        C.compress_fit(model, C.DGC())
+
+
+# -- compression="auto" ------------------------------------------------------------------------
+
+def test_auto_picks_none_on_a_fast_link_and_compression_on_a_slow_one():
+    from tfpar.compression.auto import choose
+
+    ratios = {"none": 1.0, "fp16": 0.5, "powersgd": 0.05}
+    assert choose(link_s=0.01, compute_s=1.0, ratios=ratios)[0] in ("none", "fp16")
+    assert choose(link_s=0.0, compute_s=1.0, ratios=ratios)[0] == "none"
+    name, predicted = choose(link_s=4.0, compute_s=1.0, ratios=ratios)
+    assert name == "powersgd" and predicted["powersgd"] < predicted["none"] / 3
+
+
+@pytest.mark.slow
+def test_auto_measures_at_build_becomes_its_choice_and_says_why(weights):
+    strategy = mirrored(2)
+    slow = C.Auto(total_steps=20, link_s=10.0)  # a link measured as slow: compress
+    _, trainer, dataset = train(strategy, weights, slow, momentum=0.9, steps=4)
+    assert isinstance(slow.chosen.compressor, C.PowerSGD) and slow.boundaries() == (2,)
+    assert slow.decision.startswith("powersgd: link 10.000 s")
+    counted = C.accounting.bytes_per_replica(trainer.traced_step(dataset, "compressed"), in_loops_only=True)
+    assert counted == sum(slow.payload_bytes(trainer.model.trainable_variables).values())
+    measured = C.Auto(total_steps=20)  # timed here: two CPU replicas share memory, a fast link
+    train(strategy, weights, measured, momentum=0.9, steps=2)
+    assert measured.decision and measured.chosen is not None
+    assert C.from_config("auto", auto_total_steps=100).total_steps == 100

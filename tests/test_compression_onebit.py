@@ -1,0 +1,119 @@
+"""1-bit Adam and the two-phase compressed all-reduce: Adam exactly in warm-up, error
+compensation on both sides, bytes counted == analytic for 2 and 4 replicas (flat in R)."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from test_compression import mirrored, mlp, mlp_data, run_per_replica
+from tfpar import compression as C
+from tfpar.compression import accounting, two_phase
+from tfpar.loop import Trainer
+
+
+@pytest.fixture(scope="module")
+def weights():
+    keras.utils.set_random_seed(0)
+    return mlp().get_weights()
+
+
+def train(strategy, weights, optimizer, aggregator=None, steps=6):
+    with strategy.scope():
+        model = mlp()
+        model.set_weights(weights)
+        optimizer = optimizer()
+    trainer = Trainer(model, optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      strategy=strategy, aggregator=aggregator)
+    dataset = strategy.experimental_distribute_dataset(mlp_data(steps=steps))
+    trainer.fit(dataset, steps=steps)
+    return model.get_weights(), trainer, dataset
+
+
+def gap(a, b):
+    return max(np.abs(x - y).max() for x, y in zip(a, b))
+
+
+def test_warmup_is_keras_adam_with_global_clipping(weights):
+    strategy = mirrored(2)
+    reference, _, _ = train(strategy, weights, lambda: keras.optimizers.AdamW(
+        0.01, weight_decay=0.01, global_clipnorm=0.5), steps=4)
+    onebit = C.OneBitAdam(freeze_step=4, clip_norm=0.5)
+    got, _, _ = train(strategy, weights, lambda: keras.optimizers.SGD(0.01, weight_decay=0.01), onebit, steps=4)
+    assert gap(got, reference) < 2e-6
+
+
+@pytest.mark.slow
+def test_compressed_phase_moves_from_adam_and_keeps_both_errors(weights):
+    strategy = mirrored(2)
+    reference, _, _ = train(strategy, weights, lambda: keras.optimizers.Adam(0.01), steps=6)
+    onebit = C.OneBitAdam(freeze_step=3)
+    got, trainer, dataset = train(strategy, weights, lambda: keras.optimizers.SGD(0.01), onebit, steps=6)
+    assert gap(got, reference) > 1e-6 and all(np.isfinite(w).all() for w in got)
+    for error in (onebit.worker_error, onebit.server_error):
+        assert np.abs(error.numpy()).max() > 0
+    ops = {c.type for c in accounting.collectives(trainer.traced_step(dataset, "compressed"))}
+    assert "CollectiveAllToAllV2" in ops
+
+
+def test_two_phase_error_compensation_identities():
+    """sent + new worker error == momentum + old worker error (per replica, per chunk), and
+    the server side keeps what its re-compression of the average missed."""
+    strategy = mirrored(2)
+    size = 128
+    with strategy.scope():
+        worker = tf.Variable(tf.zeros([size]), synchronization=tf.VariableSynchronization.ON_READ,
+                             aggregation=tf.VariableAggregation.MEAN)
+        server = tf.Variable(tf.zeros([size // 2]), synchronization=tf.VariableSynchronization.ON_READ,
+                             aggregation=tf.VariableAggregation.MEAN)
+    xs = np.random.RandomState(0).normal(size=(2, size)).astype("float32")
+    from tfpar.compression.compressed_aggregator import _all_gather_words
+
+    def step(r, x):
+        context = tf.distribute.get_replica_context()
+        old = tf.identity(worker)
+        mean = two_phase.compressed_mean(context, tf.gather(x, r), worker, server, 2, True,
+                                         lambda w: _all_gather_words(context, w))
+        return mean, old, tf.identity(worker), tf.identity(server)
+
+    results = run_per_replica(strategy, step, tf.constant(xs))
+    means = [r[0].numpy() for r in results]
+    np.testing.assert_array_equal(means[0], means[1])  # every replica decodes the same
+    sent = [xs[r] + results[r][1].numpy() - results[r][2].numpy() for r in range(2)]
+    for r in range(2):  # what was sent is signs times one scale per chunk
+        for chunk in np.split(sent[r], 2):
+            assert len(np.unique(np.round(np.abs(chunk), 5))) == 1
+    average = (sent[0] + sent[1]) / 2
+    for r in range(2):  # replica r serves chunk r
+        chunk = np.split(average, 2)[r]
+        np.testing.assert_allclose(np.split(means[r], 2)[r] + results[r][3].numpy(), chunk, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_bytes_counted_equal_analytic_and_stay_flat(replicas, weights):
+    strategy = mirrored(replicas)
+    onebit = C.OneBitAdam(freeze_step=1, policy=C.Policy(min_size=0))
+    _, trainer, dataset = train(strategy, weights, lambda: keras.optimizers.SGD(0.01), onebit, steps=2)
+    step = trainer.traced_step(dataset, "compressed")
+    analytic = onebit.payload_bytes(trainer.model.trainable_variables)
+    assert accounting.bytes_per_replica(step, in_loops_only=True) == sum(analytic.values())
+    link = accounting.link_bytes_per_worker(step, replicas)
+    expected = accounting.analytic_link_bytes(
+        {"reduce": analytic["all_reduce"], "all_to_all": analytic["all_to_all"],
+         "gather": analytic["all_gather"] + analytic["(size exchange)"]}, replicas)
+    assert link == pytest.approx(expected)
+    # flat in R: within 10% of twice one compressed copy, whatever R
+    one_copy = onebit.padded / 8
+    assert link < 2.2 * one_copy + 4 * replicas * 2 + analytic["all_reduce"] * 2
+
+
+def test_onebit_refuses_optimizers_and_bad_arguments():
+    onebit = C.OneBitAdam()
+    with pytest.raises(C.CompressionError, match="onebit_adam computes Adam's step itself.*not Adam"):
+        onebit.check_optimizer(keras.optimizers.Adam())
+    with pytest.raises(C.CompressionError, match="clips the gradients itself"):
+        onebit.check_optimizer(keras.optimizers.SGD(0.1, global_clipnorm=1.0))
+    onebit.check_optimizer(keras.optimizers.SGD(0.1))
+    with pytest.raises(C.CompressionError, match="freeze_step must be >= 1"):
+        C.OneBitAdam(freeze_step=0)

@@ -1,0 +1,140 @@
+"""compression="auto": measure the link and the compute at start, pick what reaches quality soonest.
+
+At `build` (under the strategy's scope, before any step) Auto times one float32 all-reduce
+of every gradient (the link, as the strategy's own collectives see it) and one
+forward + backward proxy of the model's matrices (each [n, m] kernel: a [tokens, n] x
+[n, m] product and its two backward products), then predicts for each candidate
+
+    time to quality = steps factor x (compute + link time x bytes / float32 bytes)
+
+and becomes the candidate with the smallest prediction, logging one line that says what
+and why. The steps factors are what the candidate costs in steps to the same validation
+loss (the benchmark's numbers, benchmarks/compression.py; assumptions, not promises):
+none 1.0, fp16 1.0, powersgd(4) with a 10%-of-steps uncompressed start 1.1. Only
+candidates that work with any Keras optimizer are considered (dgc and 1-bit Adam need
+plain SGD; pick them by name). On a fast link none wins: compression only pays when the
+link time is a large share of the step.
+
+Example:
+    >>> trainer = Trainer(model, optimizer, loss, strategy=strategy, compression=Auto())
+    >>> trainer.aggregator.decision
+    'powersgd(4) after 60 uncompressed steps: link 1.10 s per float32 step vs compute 0.21 s, ...'
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import tensorflow as tf
+from absl import logging
+
+from tfpar.compression.compressed_aggregator import Compression
+from tfpar.compression.compressors import FP16, NoCompression
+from tfpar.compression.policy import Policy
+from tfpar.compression.powersgd import PowerSGD
+
+STEPS_FACTOR = {"none": 1.0, "fp16": 1.0, "powersgd": 1.1}
+
+
+def candidates(total_steps: int) -> dict:
+    """name -> Compression, for a run of `total_steps` steps."""
+    start = max(1, total_steps // 10)
+    return {"none": Compression(NoCompression()), "fp16": Compression(FP16()),
+            "powersgd": Compression(PowerSGD(4), Policy(warmup_steps=start))}
+
+
+def choose(link_s: float, compute_s: float, ratios: dict) -> tuple[str, dict]:
+    """(best name, predicted seconds per float32-equivalent step for each). `ratios`: name ->
+    bytes sent / float32 bytes."""
+    predicted = {name: STEPS_FACTOR[name] * (compute_s + link_s * ratio) for name, ratio in ratios.items()}
+    return min(predicted, key=lambda n: (predicted[n], n != "none")), predicted
+
+
+def _time_all_reduce(strategy, size: int) -> float:
+    """Seconds of one SUM all-reduce of `size` float32 (second call: the first traces)."""
+    @tf.function
+    def reduce():
+        return strategy.run(lambda: tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, tf.ones([size])))
+
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        tf.nest.map_structure(lambda t: t.numpy(), strategy.experimental_local_results(reduce()))
+        times.append(time.perf_counter() - t0)
+    return times[-1]
+
+
+def _time_compute(variables: Sequence[tf.Variable], tokens: int) -> float:
+    """Seconds of a forward + backward proxy: three [tokens, n] x [n, m] products per matrix."""
+    shapes = [(int(v.shape[0]), int(v.shape.num_elements()) // int(v.shape[0]))
+              for v in variables if v.shape.rank and v.shape.rank >= 2]
+
+    @tf.function
+    def proxy():
+        total = tf.constant(0.0)
+        for n, m in shapes:
+            x, w = tf.ones([tokens, n]), tf.ones([n, m])
+            y = tf.matmul(x, w)
+            total += tf.reduce_sum(tf.matmul(y, w, transpose_b=True)) + tf.reduce_sum(tf.matmul(x, y, transpose_a=True))
+        return total
+
+    proxy()
+    t0 = time.perf_counter()
+    float(proxy())
+    return time.perf_counter() - t0
+
+
+class Auto(Compression):
+    """Measures at build, then is the chosen Compression (see module docstring)."""
+
+    def __init__(self, total_steps: int = 600, tokens: int = 1024, link_s: float | None = None,
+                 compute_s: float | None = None):
+        super().__init__(NoCompression())
+        self.total_steps, self.tokens = total_steps, tokens
+        self.link_s, self.compute_s = link_s, compute_s
+        self.chosen: Compression | None = None
+        self.decision = ""
+
+    def build(self, variables: Sequence[tf.Variable]) -> None:
+        strategy = tf.distribute.get_strategy()
+        size = sum(int(v.shape.num_elements()) for v in variables)
+        communicates = strategy.num_replicas_in_sync > 1 or getattr(strategy.extended, "_num_workers", 1) > 1
+        link_s = self.link_s if self.link_s is not None else (
+            _time_all_reduce(strategy, size) if communicates else 0.0)
+        compute_s = self.compute_s if self.compute_s is not None else _time_compute(variables, self.tokens)
+        options = candidates(self.total_steps)
+        ratios = {}
+        for name, compression in options.items():
+            compression.build(variables)
+            ratios[name] = sum(compression.payload_bytes(variables).values()) / (4 * size)
+        name, predicted = choose(link_s, compute_s, ratios)
+        self.chosen = options[name]
+        self.compressor, self.policy, self.plan = self.chosen.compressor, self.chosen.policy, self.chosen.plan
+        self.paths, self.state = self.chosen.paths, self.chosen.state
+        self.decision = (f"{name}: link {link_s:.3f} s per float32 all-reduce vs compute "
+                         f"{compute_s:.3f} s per step; predicted s/step x steps factor: "
+                         + ", ".join(f"{n} {p:.3f}" for n, p in sorted(predicted.items(), key=lambda kv: kv[1])))
+        logging.info("compression=auto picked %s", self.decision)
+
+    def __call__(self, gradients, variables):
+        return self.chosen(gradients, variables)
+
+    def boundaries(self):
+        return self.chosen.boundaries()
+
+    def phase(self, step):
+        return self.chosen.phase(step)
+
+    def set_phase(self, phase):
+        self.chosen.set_phase(phase)
+
+    def checkpoint_items(self):
+        return self.chosen.checkpoint_items()
+
+    def payload_bytes(self, variables, phase="compressed"):
+        return self.chosen.payload_bytes(variables, phase)
+
+    def __repr__(self):
+        return f"auto({self.chosen!r})" if self.chosen else "auto"

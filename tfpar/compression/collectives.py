@@ -1,0 +1,45 @@
+"""The one collective tf.distribute does not expose: an all-to-all, on TensorFlow's own runtime.
+
+`ReplicaContext` offers all_reduce and all_gather only. TensorFlow 2.21 has the op
+(`CollectiveAllToAllV2`, CPU ring and GPU NCCL kernels) and every collective strategy
+(MirroredStrategy, MultiWorkerMirroredStrategy) holds one `CollectiveReplicaLauncher` per
+local replica with the group key, group size, device, ordering token and the
+call-time instance keys that its own all_reduce uses. `all_to_all` issues the op with
+exactly those, so it is ordered with, and keyed like, the strategy's other collectives:
+nothing home-made travels on the wire.
+
+Example (replica context, inside tf.function):
+    >>> received = all_to_all(context, chunks)   # chunks [R, w]: row j goes to replica j
+    >>> # received [R, w]: row i came from replica i
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from tensorflow.python.ops import collective_ops  # pylint: disable=no-name-in-module
+
+from tfpar.compression.compressors import CompressionError
+
+
+def _launcher(context):
+    extended = context.strategy.extended
+    ops = getattr(extended, "_collective_ops", None) or getattr(extended, "_cross_device_ops", None)
+    launchers = getattr(ops, "_launchers", None)
+    if not launchers:
+        raise CompressionError(
+            f"The two-phase compressed all-reduce (onebit_adam) needs a collective strategy: "
+            f"{type(context.strategy).__name__} has no collective launchers. Train it under "
+            "mirrored or multi_worker_mirrored, or pick another compressor.")
+    return launchers[context._replica_id]  # pylint: disable=protected-access  (local index)
+
+
+def all_to_all(context, tensor: tf.Tensor) -> tf.Tensor:
+    """Row j of `tensor` ([R, ...]) goes to replica j; returns row i from replica i."""
+    launcher = _launcher(context)
+    # pylint: disable=protected-access
+    with tf.device(launcher._device):
+        return collective_ops.all_to_all_v2(
+            tensor, launcher._group_size, launcher._group_key, launcher._next_instance_key(),
+            communication_hint=launcher._options.implementation.value,
+            timeout=launcher._options.timeout_seconds,
+            ordering_token=launcher._get_ordering_token())

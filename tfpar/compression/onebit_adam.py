@@ -1,0 +1,162 @@
+"""1-bit Adam (Tang et al., 2021; DeepSpeed): Adam warm-up, then frozen variance and
+1-bit compressed momentum, error-compensated on the sending and the receiving side.
+
+An aggregator that owns Adam's moments and returns Adam's step direction, so the Keras
+optimizer must be plain SGD (momentum=0, no clipping; its learning rate, schedule and
+weight decay are Adam's, since AdamW's decoupled decay and SGD's are the same update):
+
+- warm-up (`freeze_step` steps): gradients summed by one all-reduce (clipped by their
+  global norm if `clip_norm`), then exactly Keras Adam: the direction is
+  sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps), so SGD(lr) moves the weights as Adam(lr);
+- compressed: v (and its bias factor) frozen; each replica updates its own momentum from its
+  local gradient (times R: an estimate of the sum), the momenta are averaged by the
+  two-phase 1-bit all-reduce (tfpar.compression.two_phase) and every replica continues from
+  that average. Tensors the policy leaves out (biases, norms, small ones) keep full Adam
+  on a float32 all-reduce.
+
+Example:
+    >>> trainer = Trainer(model, keras.optimizers.SGD(schedule), loss, strategy=strategy,
+    ...                   aggregator=OneBitAdam(freeze_step=100))
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import tensorflow as tf
+
+from tfpar.compression import two_phase
+from tfpar.compression.compressed_aggregator import Compression, _all_gather_words, _dense, _per_replica
+from tfpar.compression.compressors import CompressionError, Sign
+from tfpar.compression.dgc import _sgd_class
+from tfpar.compression.policy import Policy
+from tfpar.loop.aggregation import multi_worker
+
+
+class OneBitAdam(Compression):
+    """Adam with 1-bit compressed momentum after `freeze_step` (see module docstring)."""
+
+    def __init__(self, freeze_step: int = 100, beta_1: float = 0.9, beta_2: float = 0.999,
+                 epsilon: float = 1e-7, clip_norm: float = 0.0, policy: Policy | None = None):
+        tf.Module.__init__(self, name="onebit_adam")  # a Compression by kind (Trainer's
+        # compression= takes it), with its own state and step
+        if freeze_step < 1:
+            raise CompressionError(f"onebit_adam freeze_step must be >= 1 (Adam warm-up steps before "
+                                   f"the variance is frozen), got {freeze_step}.")
+        if not (0 <= beta_1 < 1 and 0 <= beta_2 < 1) or epsilon <= 0 or clip_norm < 0:
+            raise CompressionError("onebit_adam needs betas in [0, 1), epsilon > 0, clip_norm >= 0.")
+        self.freeze_step, self.beta_1, self.beta_2 = freeze_step, beta_1, beta_2
+        self.epsilon, self.clip_norm = epsilon, clip_norm
+        self.policy = policy or Policy()
+        self.compressed: list[bool] = []
+        self.compressor, self.reset_on_restore, self.state = Sign(), False, {}
+        self._phase = None
+
+    def __repr__(self):
+        return f"onebit_adam(freeze={self.freeze_step})"
+
+    # -- contract --------------------------------------------------------------------------
+
+    def build(self, variables: Sequence[tf.Variable]) -> None:
+        strategy = tf.distribute.get_strategy()
+        self.replicas = strategy.num_replicas_in_sync
+        paths = [getattr(v, "path", v.name) for v in variables]
+        self.compressed = [self.policy.choose(p, tuple(v.shape), Sign()) is not None
+                           for p, v in zip(paths, variables)]
+        self.m = [_per_replica(tf.zeros(v.shape), "m") for v in variables]
+        self.v = [_per_replica(tf.zeros(v.shape), "v") for v in variables]
+        self.iterations = _per_replica(tf.constant(0.0), "iterations")
+        size = sum(int(v.shape.num_elements()) for v, c in zip(variables, self.compressed) if c)
+        self.padded = two_phase.padded_size(size, self.replicas) if size else 0
+        self.worker_error = _per_replica(tf.zeros([self.padded]), "worker_error")
+        self.server_error = _per_replica(tf.zeros([self.padded // self.replicas]), "server_error")
+
+    def boundaries(self) -> tuple[int, ...]:
+        return (self.freeze_step,)
+
+    def phase(self, step: int) -> str:
+        return "warmup" if step < self.freeze_step else "compressed"
+
+    def set_phase(self, phase) -> None:
+        self._phase = phase
+
+    def checkpoint_items(self) -> dict:
+        return {"compression": self}
+
+    def check_optimizer(self, optimizer) -> None:
+        """Refuses an optimizer that would add momentum, adaptivity or clipping again."""
+        inner = getattr(optimizer, "inner_optimizer", optimizer)
+        if not isinstance(inner, _sgd_class()) or inner.momentum or inner.nesterov:
+            raise CompressionError(
+                f"onebit_adam computes Adam's step itself: train with keras.optimizers.SGD("
+                f"learning_rate, momentum=0.0), not {type(inner).__name__}; its learning rate "
+                "(and weight_decay) are Adam's (config: --config.optimizer.name=sgd "
+                "--config.optimizer.momentum=0).")
+        if inner.clipnorm or inner.clipvalue or inner.global_clipnorm:
+            raise CompressionError("onebit_adam clips the gradients itself: leave the optimizer's "
+                                   "clipping off and pass OneBitAdam(clip_norm=...) (config: "
+                                   "--config.optimizer.clip_norm=0 --config.compression_args.clip_norm=1.0).")
+
+    # -- bytes -----------------------------------------------------------------------------
+
+    def describe(self, variables):
+        sent = self.payload_bytes(variables)
+        return [("(all)", repr(self), 4 * sum(int(v.shape.num_elements()) for v in variables),
+                 sum(sent.values()))]
+
+    def payload_bytes(self, variables: Sequence[tf.Variable], phase: str = "compressed") -> dict:
+        """Analytic bytes one replica hands to collectives per step, by collective."""
+        dense = sum(4 * int(v.shape.num_elements()) for v, c in zip(variables, self.compressed)
+                    if phase == "warmup" or not c)
+        report = {"all_reduce": dense}
+        if phase != "warmup" and self.padded:
+            report.update(two_phase.payload_bytes(self.padded, self.replicas))
+        return report
+
+    # -- the step (replica context) --------------------------------------------------------
+
+    def __call__(self, gradients, variables):
+        context = tf.distribute.get_replica_context()
+        replicas = context.num_replicas_in_sync
+        communicate = replicas > 1 or multi_worker(context)
+        grads = [_dense(g, v) for g, v in zip(gradients, variables)]
+        t = self.iterations + 1.0
+        self.iterations.assign(t)
+        warm = self._phase == "warmup"
+        dense = [i for i, c in enumerate(self.compressed) if warm or not c]
+        summed = [grads[i] for i in dense]
+        if summed and communicate:
+            summed = context.all_reduce(tf.distribute.ReduceOp.SUM, summed)
+        if self.clip_norm and warm:
+            summed, _ = tf.clip_by_global_norm(summed, self.clip_norm)
+        result: list = [None] * len(grads)
+        b1 = 1 - tf.pow(self.beta_1, t)
+        for i, g in zip(dense, summed):
+            m = self.m[i] + (g - self.m[i]) * (1 - self.beta_1)
+            v = self.v[i] + (tf.square(g) - self.v[i]) * (1 - self.beta_2)
+            self.m[i].assign(m)
+            self.v[i].assign(v)
+            result[i] = tf.sqrt(1 - tf.pow(self.beta_2, t)) / b1 * m / (tf.sqrt(v) + self.epsilon)
+        if not warm and self.padded:
+            self._compressed_step(context, grads, replicas, communicate, t, result)
+        return result
+
+    def _compressed_step(self, context, grads, replicas, communicate, t, result) -> None:
+        index = [i for i, c in enumerate(self.compressed) if c]
+        local = [grads[i] * replicas for i in index]  # this replica's estimate of the sum
+        if self.clip_norm:
+            local, _ = tf.clip_by_global_norm(local, self.clip_norm)
+        momenta = [self.m[i] * self.beta_1 + (1 - self.beta_1) * g for i, g in zip(index, local)]
+        flat = tf.concat([tf.reshape(m, [-1]) for m in momenta], 0)
+        flat = tf.pad(flat, [[0, self.padded - int(flat.shape[0])]])
+        mean = two_phase.compressed_mean(context, flat, self.worker_error, self.server_error,
+                                         replicas, communicate,
+                                         lambda w: _all_gather_words(context, w))
+        sizes = [int(self.m[i].shape.num_elements()) for i in index]
+        parts = tf.split(mean[:sum(sizes)], sizes)
+        frozen = math.sqrt(1 - self.beta_2 ** self.freeze_step) / (1 - tf.pow(self.beta_1, t))
+        for i, part in zip(index, parts):
+            m = tf.reshape(part, self.m[i].shape)
+            self.m[i].assign(m)
+            result[i] = frozen * m / (tf.sqrt(self.v[i]) + self.epsilon)
