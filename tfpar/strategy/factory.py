@@ -94,7 +94,7 @@ def create_strategy(
         cluster=cluster, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
         variable_partitioner=variable_partitioner,
     )
-    keras_fixes.apply()
+    keras_fixes.apply_and_report()  # all or nothing; says once if they cannot apply
     return strategy
 
 
