@@ -49,6 +49,7 @@ class GradientAggregator(abc.ABC):
 
     def set_phase(self, phase: Hashable | None) -> None:
         """Told the phase of the step being traced, before `__call__`; default: ignored."""
+        del phase  # a body AutoGraph can convert (a docstring alone makes it warn)
 
     def checkpoint_items(self) -> dict:
         """Trackables to checkpoint with the model, by name; default: none."""

@@ -224,7 +224,8 @@ class Fix:
             owner = self.owner()
         except (ImportError, AttributeError) as e:
             return f"its owner is gone ({e})"
-        target = getattr(owner, self.attribute, None)
+        # Once applied, the checks read Keras's own function, not tfpar's wrapper.
+        target = _ORIGINALS.get((owner, self.attribute), getattr(owner, self.attribute, None))
         where = f"{getattr(owner, '__name__', owner)}.{self.attribute}"
         if not callable(target):
             return f"{where} is missing (renamed or moved)"
