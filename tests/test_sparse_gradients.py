@@ -75,10 +75,11 @@ def test_the_fixes_can_be_turned_off():
     finally:
         keras_fixes.set_sum_sparse_rows(True)
     loop = sm.loop(one, name, weights, optimizer, sum_sparse_rows=False)
-    assert sm.max_difference(fit, dense) > 1e-4 and sm.max_difference(loop, dense) > 1e-4
+    assert sm.max_difference(fit, dense) > 1e-4 and sm.max_difference(loop, dense) > 1e-4, (
+        sm.max_difference(fit, dense), sm.max_difference(loop, dense))
 
 
-FAST = {("gpt", "adam", 2), ("sequential", "adamw", 1), ("dict_inputs", "lamb", 4)}
+FAST = {("sequential", "adam", 2), ("dict_inputs", "lamb", 1)}  # the rest: -m slow
 CASES = [pytest.param(m, o, r, marks=() if (m, o, r) in FAST else pytest.mark.slow,
                       id=f"{m}-{o}-{r}")
          for m in sm.MODELS for o in sm.OPTIMIZERS for r in (1, 2, 4)]
