@@ -37,6 +37,7 @@ def test_one_device_with_auto():
     assert_ready(report, replicas=1)
 
 
+@pytest.mark.slow
 def test_mirrored_on_logical_cpus_measures_the_bus_bandwidth():
     report = run_check("--strategy=mirrored", "--virtual-devices=2")
     assert_ready(report, replicas=2)
