@@ -2,10 +2,12 @@
 
 Per step, on every replica: forward and backward on the local batch (loss averaged over
 the global batch, as Keras does), gradient accumulation over `accumulate` micro-batches,
-then the aggregator (one all-reduce), clipping by the global norm of the summed gradients
-(identical on every replica, so equal to the one-device clip), and the optimizer applied
-in the cross-replica context, where Keras does not reduce the gradients a second time.
-`steps_per_loop` steps run inside one tf.function call.
+then the aggregator (one all-reduce), a sparse gradient's repeated rows summed per index
+(so Adam sees the dense math), clipping by the global norm of the summed gradients
+(identical on every replica, so equal to the one-device clip), and the optimizer, whose
+own all-reduce and clip are off while the step is traced (and only then:
+tfpar.strategy.private_api.trainer_step). `steps_per_loop` steps run inside one
+tf.function call.
 
 Under `parameter_server` the same step runs asynchronously: the chief schedules it onto
 the workers with a ClusterCoordinator (see tfpar.loop.parameter_server); each worker
