@@ -128,16 +128,15 @@ def all_reduce_table(strategy, sizes: Sequence[int], iterations: int) -> list[di
     rows = []
     for size in sizes:
         count = max(1, size // 4)
-        values = strategy.experimental_distribute_values_from_function(
-            lambda _, count=count: tf.ones([count], tf.float32))
 
         @tf.function
-        def reduce(x):
+        def reduce(count=count):  # the payload is made on each replica's own device
             ctx = tf.distribute.get_replica_context
-            return strategy.run(lambda v: ctx().all_reduce(tf.distribute.ReduceOp.SUM, v), args=(x,))
+            return strategy.run(lambda: ctx().all_reduce(tf.distribute.ReduceOp.SUM,
+                                                         tf.fill([count], 1.0)))
 
-        def step(values=values, reduce=reduce):
-            return strategy.experimental_local_results(reduce(values))[0][:1]
+        def step(reduce=reduce):
+            return strategy.experimental_local_results(reduce())[0][:1]
 
         seconds = _timed(step, iterations)
         algbw = count * 4 / seconds / 1e9
