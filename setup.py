@@ -12,7 +12,7 @@ setup(
     packages=find_packages(include=["tfpar", "tfpar.*"]),
     install_requires=[
         "tensorflow>=2.16,<2.22",
-        "keras>=3.5",
+        "keras>=3.5,<3.16",  # the releases tfpar.strategy.keras_fixes was tested on
         "absl-py",
         "ml-collections",
         "tensorflow-datasets",
@@ -39,6 +39,7 @@ setup(
         "console_scripts": [
             "tfpar-train=tfpar.train:run",
             "tfpar-launch=tfpar.launch:run",
+            "tfpar-check=tfpar.check:run",
         ],
     },
 )

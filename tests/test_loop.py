@@ -1,5 +1,7 @@
 """tfpar.Trainer: Keras fit's numbers, one all-reduce per step, accumulation, clipping."""
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -8,6 +10,7 @@ import tensorflow as tf
 import tfpar
 from scripts import fit_model
 from tfpar.loop import Trainer
+from tfpar.strategy import private_api
 
 TOL = 1e-5
 
@@ -57,7 +60,7 @@ def test_loop_matches_keras_fit(fit_reference, replicas):
     np.testing.assert_allclose(logs["loss"], history["loss"][-1], rtol=TOL)
 
 
-def test_gradients_cross_the_wire_once(fit_reference):
+def test_gradients_cross_the_wire_once(fit_reference, monkeypatch):
     """Collectives in the traced step: all in the aggregator, none in the optimizer."""
     strategy = mirrored(2)
     model, trainer = make_trainer(strategy, fit_reference[0])
@@ -70,13 +73,39 @@ def test_gradients_cross_the_wire_once(fit_reference):
     assert len(dense) == strategy.num_replicas_in_sync
 
     # Without tfpar's guard Keras's optimizer all-reduces the same gradients again.
+    monkeypatch.setattr(private_api, "trainer_step", lambda *a, **k: contextlib.nullcontext())
+    trainer._train_loop = tf.function(trainer._train_loop_fn)  # pylint: disable=protected-access
+    assert len(trainer.collective_ops(batches(strategy))) == 2 * len(ops)
+
+
+def test_the_callers_optimizer_still_clips_and_synchronises_after_the_trainer(fit_reference):
+    """Issue 14: the Trainer turns Keras's all-reduce and clip off only while it traces."""
+    weights = fit_reference[0]
+    strategy = mirrored(2)
+
+    def fit(model, optimizer):
+        model.compile(optimizer=optimizer, loss=crossentropy())
+        model.fit(fit_model.dataset(), epochs=1, verbose=0, shuffle=False)
+        return model.get_weights()
+
+    with strategy.scope():  # plain SGD: no state that a fresh optimizer would lack
+        model = fit_model.build_model()
+        model.set_weights(weights)
+        optimizer = keras.optimizers.SGD(learning_rate=0.1, global_clipnorm=0.05)
+    Trainer(model, optimizer, crossentropy(), strategy=strategy).fit(batches(strategy), steps=2)
+    assert optimizer.global_clipnorm == 0.05
+    assert "_all_reduce_sum_gradients" not in vars(optimizer)  # Keras's own method again
+    after_trainer = model.get_weights()
     with strategy.scope():
-        optimizer = keras.optimizers.SGD(learning_rate=0.1)
-        optimizer.build(model.trainable_variables)
-    doubled = Trainer.__new__(Trainer)
-    doubled.__dict__.update(trainer.__dict__, optimizer=optimizer)
-    doubled._train_loop = tf.function(doubled._train_loop_fn)  # pylint: disable=protected-access
-    assert len(doubled.collective_ops(batches(strategy))) == 2 * len(ops)
+        used = fit(model, optimizer)
+        runs = {}
+        for clip in (0.05, None):
+            fresh = fit_model.build_model()
+            fresh.set_weights(after_trainer)
+            runs[clip] = fit(fresh, keras.optimizers.SGD(learning_rate=0.1, global_clipnorm=clip))
+    expected, unclipped = runs[0.05], runs[None]
+    assert_same(used, expected, tol=1e-6)  # synchronised: replicas agree with the fresh run
+    assert max(np.abs(a - b).max() for a, b in zip(used, unclipped)) > 1e-3  # and clipped
 
 
 def test_accumulating_k_batches_equals_one_k_times_larger_batch(fit_reference):

@@ -2,7 +2,7 @@
 
 An aggregator receives this replica's gradients in the replica context and returns the
 gradients summed over all replicas. The Trainer calls it exactly once per step and then
-applies the optimizer in the cross-replica context, where Keras does not all-reduce again.
+applies the optimizer with Keras's own all-reduce off (tfpar.strategy.private_api).
 Gradient compression (tfpar.compression) plugs in here.
 
 Every hook the Trainer calls is declared on `GradientAggregator` with a no-op default, so
@@ -49,6 +49,7 @@ class GradientAggregator(abc.ABC):
 
     def set_phase(self, phase: Hashable | None) -> None:
         """Told the phase of the step being traced, before `__call__`; default: ignored."""
+        del phase  # a body AutoGraph can convert (a docstring alone makes it warn)
 
     def checkpoint_items(self) -> dict:
         """Trackables to checkpoint with the model, by name; default: none."""

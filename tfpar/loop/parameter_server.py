@@ -3,9 +3,10 @@
 Under `parameter_server` the chief runs no training step itself. It schedules train
 functions onto the workers with `tf.distribute.coordinator.ClusterCoordinator`; each
 worker reads the variables from the parameter servers, computes its gradients and applies
-them there, without waiting for the other workers. A worker that dies has its scheduled
-function run again elsewhere; when it comes back, the coordinator rebuilds its dataset
-iterator and gives it work again.
+them there, without waiting for the other workers (a variable split over several
+parameter servers is updated through `tfpar.strategy.private_api.trainer_step`). A
+worker that dies has its scheduled function run again elsewhere; when it comes back, the
+coordinator rebuilds its dataset iterator and gives it work again.
 
 Example:
     >>> steps = AsyncSteps(strategy)
@@ -19,38 +20,12 @@ import collections
 from typing import Callable, Iterable
 
 import tensorflow as tf
-from tensorflow.python.distribute import sharded_variable  # ShardedVariable has no public type
 
 from tfpar.strategy.describe import describe
 
 
 def is_parameter_server(strategy: tf.distribute.Strategy) -> bool:
     return isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy)
-
-
-def allow_sharded_updates(optimizer) -> None:
-    """Lets a Keras 3 optimizer update variables split by a variable partitioner.
-
-    Keras sends every update through `strategy.extended.update`, which colocates with the
-    variable and fails on a ShardedVariable ("doesn't support being used as a reference").
-    For a sharded variable the update step is called directly instead: it reads the whole
-    value and `ShardedVariable.assign*` writes each slice to the parameter server holding
-    that shard. Other variables keep Keras's path.
-    """
-    targets = [optimizer]
-    if getattr(optimizer, "inner_optimizer", None) is not None:  # LossScaleOptimizer
-        targets.append(optimizer.inner_optimizer)
-    for target in targets:
-        def update(distribution, grads_and_vars, learning_rate, target=target):
-            for grad, var in grads_and_vars:
-                if isinstance(var, sharded_variable.ShardedVariable):
-                    target.update_step(grad, var, learning_rate)
-                else:
-                    distribution.extended.update(
-                        var, lambda v, g, lr: target.update_step(g, v, lr),
-                        args=(grad, learning_rate), group=False)
-
-        target._distributed_tf_update_step = update  # pylint: disable=protected-access
 
 
 class AsyncSteps:

@@ -2,10 +2,12 @@
 
 Per step, on every replica: forward and backward on the local batch (loss averaged over
 the global batch, as Keras does), gradient accumulation over `accumulate` micro-batches,
-then the aggregator (one all-reduce), clipping by the global norm of the summed gradients
-(identical on every replica, so equal to the one-device clip), and the optimizer applied
-in the cross-replica context, where Keras does not reduce the gradients a second time.
-`steps_per_loop` steps run inside one tf.function call.
+then the aggregator (one all-reduce), a sparse gradient's repeated rows summed per index
+(so Adam sees the dense math), clipping by the global norm of the summed gradients
+(identical on every replica, so equal to the one-device clip), and the optimizer, whose
+own all-reduce and clip are off while the step is traced (and only then:
+tfpar.strategy.private_api.trainer_step). `steps_per_loop` steps run inside one
+tf.function call.
 
 Under `parameter_server` the same step runs asynchronously: the chief schedules it onto
 the workers with a ClusterCoordinator (see tfpar.loop.parameter_server); each worker
@@ -34,6 +36,7 @@ from tfpar.loop.aggregation import AllReduce, GradientAggregator, NoReduce
 from tfpar.loop.nonfinite import POLICIES as NONFINITE_POLICIES
 from tfpar.loop.nonfinite import NonFiniteGuard
 from tfpar.placement import tpu_cores
+from tfpar.strategy import keras_fixes, private_api
 
 
 class TrainerError(TfparError, ValueError):
@@ -49,22 +52,31 @@ def _unpack(batch):
     raise TrainerError("Batches must be (x, y) or (x, y, sample_weight).")
 
 
-def _no_second_all_reduce(optimizer) -> None:
-    """Stops `optimizer.apply` from all-reducing gradients the aggregator already summed.
-
-    Keras 3's TensorFlow optimizer all-reduces inside `apply` whenever it runs in a replica
-    context (`_all_reduce_sum_gradients`), and cannot run in the cross-replica context
-    instead (its `maybe_merge_call` needs a replica context). This optimizer instance gets
-    an identity in its place; the aggregator is then the only collective on the gradients
-    (see `Trainer.count_collectives`).
-    """
-    inner = getattr(optimizer, "inner_optimizer", None)  # LossScaleOptimizer (fp16)
-    for target in (optimizer, inner) if inner is not None else (optimizer,):
-        if not hasattr(target, "_all_reduce_sum_gradients"):
+def _aggregator_for(strategy, aggregator: GradientAggregator | None,
+                    compression: Compressor | Compression | None) -> GradientAggregator:
+    """The aggregator the options ask for (compression is shorthand for one)."""
+    if compression is not None:
+        if aggregator is not None:
+            raise TrainerError("Give aggregator or compression, not both.")
+        aggregator = compression if isinstance(compression, Compression) else Compression(compression)
+    if parameter_server.is_parameter_server(strategy):
+        if aggregator is not None:
             raise TrainerError(
-                f"This Keras version's optimizer has no _all_reduce_sum_gradients (Keras "
-                f"{keras.__version__}); tfpar.Trainer cannot keep it from reducing twice.")
-        target._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)  # pylint: disable=protected-access
+                "Under parameter_server each worker applies its own gradients on the "
+                "parameter servers; there is no all-reduce to replace, so an aggregator "
+                "(or gradient compression) does not apply. Use multi_worker_mirrored.")
+        return NoReduce()
+    return aggregator or AllReduce()
+
+
+def _clip_norm(optimizer) -> float | None:
+    """The optimizer's global_clipnorm, which the Trainer applies to the summed gradients
+    (Keras's own clip, off while the Trainer traces its step, would see per-replica ones)."""
+    clipping = private_api.base_optimizer(optimizer)
+    if clipping.clipnorm or clipping.clipvalue:
+        raise TrainerError("Use global_clipnorm (clipping by the global norm across replicas), "
+                           "not clipnorm/clipvalue, with tfpar.Trainer.")
+    return clipping.global_clipnorm
 
 
 class _RunningMean:
@@ -110,7 +122,7 @@ class Trainer:
                  steps_per_loop: int = 1, accumulate: int = 1,
                  aggregator: GradientAggregator | None = None,
                  compression: Compressor | Compression | None = None, placement=None,
-                 nonfinite: str = "stop", xla: bool | None = None):
+                 nonfinite: str = "stop", xla: bool | None = None, sum_sparse_rows: bool = True):
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.strategy = strategy or tf.distribute.get_strategy()
         if steps_per_loop < 1 or accumulate < 1:
@@ -118,39 +130,18 @@ class Trainer:
         self.steps_per_loop, self.accumulate = steps_per_loop, accumulate
         if nonfinite not in NONFINITE_POLICIES:
             raise TrainerError(f"nonfinite={nonfinite!r}: choose one of {', '.join(NONFINITE_POLICIES)}.")
-        if hasattr(optimizer, "inner_optimizer"):  # fp16: the loss scale skips by itself
+        if private_api.is_loss_scaled(optimizer):  # fp16: the loss scale skips by itself
             nonfinite = "ignore"
-        if compression is not None:
-            if aggregator is not None:
-                raise TrainerError("Give aggregator or compression, not both.")
-            aggregator = compression if isinstance(compression, Compression) else Compression(compression)
-        self._async = None
-        if parameter_server.is_parameter_server(self.strategy):
-            if aggregator is not None:
-                raise TrainerError(
-                    "Under parameter_server each worker applies its own gradients on the "
-                    "parameter servers; there is no all-reduce to replace, so an aggregator "
-                    "(or gradient compression) does not apply. Use multi_worker_mirrored.")
-            aggregator = NoReduce()
-            parameter_server.allow_sharded_updates(optimizer)
-            self._async = parameter_server.AsyncSteps(self.strategy)
-        self.aggregator = aggregator or AllReduce()
+        self.aggregator = _aggregator_for(self.strategy, aggregator, compression)
+        is_async = parameter_server.is_parameter_server(self.strategy)
+        self._async = parameter_server.AsyncSteps(self.strategy) if is_async else None
         self.placement = placement
         if placement is not None:
             self._check_placement(placement)
-        if placement is not None and model.non_trainable_variables:
-            raise TrainerError("Layer placement needs a model without non-trainable state "
-                               "(e.g. no BatchNormalization).")
         self.xla = (True if xla is None else bool(xla)) and placement is None
-        # The Trainer clips the *summed* gradients itself, in the replica context; Keras's
-        # own clipping would run on per-replica values in the cross-replica context.
-        clipping = getattr(optimizer, "inner_optimizer", optimizer)
-        self.clip_norm = clipping.global_clipnorm
-        clipping.global_clipnorm = None
-        if clipping.clipnorm or clipping.clipvalue:
-            raise TrainerError("Use global_clipnorm (clipping by the global norm across replicas), "
-                               "not clipnorm/clipvalue, with tfpar.Trainer.")
-        _no_second_all_reduce(optimizer)
+        self.clip_norm = _clip_norm(optimizer)
+        private_api.check_optimizer(optimizer, sharded_updates=is_async)
+        self.sum_sparse_rows = sum_sparse_rows
         with self.strategy.scope():
             optimizer.build(model.trainable_variables)  # before any traced step
             self.aggregator.build(model.trainable_variables)
@@ -174,6 +165,9 @@ class Trainer:
 
     def _check_placement(self, placement) -> None:
         replicas = placement.plan.replicas
+        if self.model.non_trainable_variables:
+            raise TrainerError("Layer placement needs a model without non-trainable state "
+                               "(e.g. no BatchNormalization).")
         if all(tpu_cores.is_logical(d) for d in placement.plan.devices):
             if not isinstance(self.strategy, tf.distribute.TPUStrategy):
                 raise TrainerError("A plan on TPU cores (placement.tpu_cores.logical) trains under "
@@ -258,6 +252,8 @@ class Trainer:
                 grads = [tf.convert_to_tensor(g) for g in grads]
             summed = list(grads) if summed is None else [a + b for a, b in zip(summed, grads)]
         summed = self.aggregator(summed, variables)
+        if self.sum_sparse_rows:  # Adam & co. need a sparse gradient's rows summed first
+            summed = [keras_fixes.sum_repeated_rows(g) for g in summed]
         norm = None
         if self.clip_norm:
             # fp16: the gradients are still scaled by the loss scale; so is the limit.
@@ -273,13 +269,24 @@ class Trainer:
 
     def _train_loop_fn(self, iterator, steps, phase=None):
         self.aggregator.set_phase(phase)  # e.g. compression warm-up: its own trace
-        if self._async:  # one replica per worker: the reduce is local
-            total = tf.constant(0.0)
-            for _ in tf.range(steps):
-                batches = [next(iterator) for _ in range(self.accumulate)]
-                per_replica = self.strategy.run(self._replica_step, args=(batches,))
-                total += self.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
-            return total / tf.cast(steps, tf.float32)
+        # The aggregator sums and the Trainer clips: Keras's optimizer must do neither, for
+        # this trace only (the caller's optimizer is unchanged once it ends).
+        with private_api.trainer_step(self.optimizer, sharded_updates=self._async is not None):
+            if self._async:
+                return self._async_steps(iterator, steps)
+            return self._synchronous_steps(iterator, steps)
+
+    def _async_steps(self, iterator, steps):
+        """parameter_server: one replica per worker, so the reduce is local."""
+        total = tf.constant(0.0)
+        for _ in tf.range(steps):
+            batches = [next(iterator) for _ in range(self.accumulate)]
+            per_replica = self.strategy.run(self._replica_step, args=(batches,))
+            total += self.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+        return total / tf.cast(steps, tf.float32)
+
+    def _synchronous_steps(self, iterator, steps):
+        """(mean loss, bad steps, first bad step) of `steps` synchronous steps."""
         # Each replica adds its loss to its own copy; one cross-replica sum per call, so a
         # step's only collectives are the gradients' (see wire_bytes).
         def reset():  # each replica its own copy: no collective

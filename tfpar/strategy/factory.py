@@ -95,7 +95,7 @@ def create_strategy(
         cluster=cluster, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
         variable_partitioner=variable_partitioner, tpu_resolver=tpu_resolver,
     )
-    keras_fixes.apply()
+    keras_fixes.apply_and_report()  # all or nothing; says once if they cannot apply
     return strategy
 
 

@@ -1,7 +1,11 @@
 """The small, version-guarded fixes Keras 3 needs to run `fit` under a tf.distribute strategy.
 
-`create_strategy` applies them; `apply()` is idempotent and `revert()` undoes them (tests
-use it to show each fix is needed). Each fix is scoped to the one call it mends.
+`create_strategy` applies them (`apply_and_report`); `apply()` is idempotent and `revert()`
+undoes them (tests use it to show each fix is still needed). Each fix is scoped to the one
+call it mends. They apply all or nothing: before anything is changed, every fix checks
+that its target exists with the signature and the inner names it relies on
+(`problems()`); if one cannot apply, none is, and `create_strategy` says once which fix,
+which Keras, and what still works. The private names live in `private_api`.
 
 1. MultiWorkerMirroredStrategy fails at the first batch (keras#20585), twice over.
    a) `TensorFlowTrainer._maybe_symbolic_build` builds the model from one batch and gets
@@ -16,38 +20,60 @@ use it to show each fix is needed). Each fix is scoped to the one call it mends.
       axis=None (the mean over replicas, which is what the other strategies compute).
 
 2. MirroredStrategy with `steps_per_execution > 1` fails ("You must feed a value for
-   placeholder tensor ... while/cond/Placeholder"). Keras wraps its per-step function in
-   a nested `tf.function` and calls it from inside a `tf.while_loop`/`tf.cond`; with
-   several replicas the mirrored replica threads trace that nested function against the
-   loop's placeholders. The fix leaves the per-step function unwrapped (the outer
-   multi-step `tf.function` still compiles everything into one graph; Keras turns
-   `jit_compile` off under any strategy, so nothing else changes).
+   placeholder tensor ... while/cond/Placeholder"). Keras wraps its per-step function
+   (`one_step_on_data`) in a nested `tf.function` and calls it from inside a
+   `tf.while_loop`/`tf.cond`; with several replicas the mirrored replica threads trace
+   that nested function against the loop's placeholders. The fix leaves the per-step
+   function unwrapped (the outer multi-step `tf.function` still compiles everything into
+   one graph; Keras turns `jit_compile` off under any strategy, so nothing else changes).
+   A Keras that renames that closure is refused at `apply()`, and at trace time if it
+   slipped through, never skipped.
 
 3. ParameterServerStrategy is not supported by Keras 3 `fit` (keras#18624): `fit`,
    `evaluate` and `predict` raise UnsupportedStrategyError pointing to tfpar's loop
    instead of failing deep inside Keras.
 
+4. Sparse gradients with repeated rows. An embedding's gradient is an IndexedSlices with
+   one row per token occurrence; Keras's Adam (AdamW, LAMB, ...) squares the slices
+   before they are summed, so a row seen k times gets a sum of squares in its second
+   moment instead of the square of the sum (one step of Adam(0.1) with two equal slices
+   of a row moves it 0.1414, not 0.1), and the result depends on the replica count. The
+   fix sums every sparse gradient per unique index right after the optimizer's
+   all-reduce (`sum_repeated_rows`), so every optimizer sees the dense math. Turn it off
+   with `set_sum_sparse_rows(False)` (before the model's first `fit`); tfpar's loop has
+   its own switch, `Trainer(sum_sparse_rows=False)`. See docs/keras_fixes.md.
+
 Example:
     >>> from tfpar.strategy import keras_fixes
-    >>> keras_fixes.apply()
+    >>> keras_fixes.apply_and_report().applied
+    True
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import inspect
+from typing import Callable
 
 import keras
 import tensorflow as tf
-from keras.src.backend.tensorflow import trainer as tf_trainer
+from absl import logging
 
 from tfpar.errors import UnsupportedStrategyError
+from tfpar.strategy import private_api
 
-_Trainer = tf_trainer.TensorFlowTrainer
 _ORIGINALS: dict[tuple[object, str], object] = {}
+_SUM_SPARSE_ROWS = [True]
+_REPORTED: set = set()
 
-#: Keras releases in which the three problems above were reproduced (3.5 - 3.15).
-AFFECTED_KERAS = ((3, 5), (4, 0))
+#: Keras releases the fixes were written for and tested on (3.5 - 3.15); setup.py says the same.
+TESTED_KERAS = ((3, 5), (3, 16))
+STILL_WORKS = ("Keras fit on one device and tfpar's own loop (tfpar.Trainer, "
+               "--config.mode=loop) on every strategy still work; Keras fit under "
+               "multi_worker_mirrored, under mirrored with steps_per_execution > 1, and "
+               "Adam-family optimizers on embedding gradients in fit are not mended.")
 
 
 def keras_version() -> tuple[int, int]:
@@ -56,8 +82,8 @@ def keras_version() -> tuple[int, int]:
 
 
 def is_affected() -> bool:
-    """True for the Keras versions these fixes are written for."""
-    low, high = AFFECTED_KERAS
+    """True for the Keras releases these fixes are written for and tested on."""
+    low, high = TESTED_KERAS
     return low <= keras_version() < high
 
 
@@ -65,15 +91,86 @@ def is_applied() -> bool:
     return bool(_ORIGINALS)
 
 
+def sum_repeated_rows(gradient):
+    """A sparse gradient with one row per index (repeated rows summed); others unchanged.
+
+    Example:
+        >>> g = tf.IndexedSlices(tf.ones([3, 2]), tf.constant([0, 0, 2]), tf.constant([4, 2]))
+        >>> sum_repeated_rows(g).indices      # [0, 2], values [[2, 2], [1, 1]]
+    """
+    if not isinstance(gradient, tf.IndexedSlices):
+        return gradient
+    indices, positions = tf.unique(gradient.indices)
+    values = tf.math.unsorted_segment_sum(gradient.values, positions, tf.shape(indices)[0])
+    return tf.IndexedSlices(values, indices, gradient.dense_shape)
+
+
+def set_sum_sparse_rows(enabled: bool) -> None:
+    """Fix 4 on (default) or off for steps traced from now on (Keras's own behaviour)."""
+    _SUM_SPARSE_ROWS[0] = bool(enabled)
+
+
+@dataclasses.dataclass(frozen=True)
+class Status:
+    """Whether the fixes are applied, on which Keras, and if not, why."""
+
+    applied: bool
+    keras: str
+    problems: tuple[str, ...] = ()
+
+    def message(self) -> str:
+        if self.applied:
+            return f"Keras {self.keras}: all {len(_FIXES)} fixes applied."
+        why = "; ".join(self.problems)
+        return (f"tfpar's Keras fixes are not applied on Keras {self.keras} ({why}). "
+                f"{STILL_WORKS} Install a Keras in setup.py's range (keras>="
+                f"{TESTED_KERAS[0][0]}.{TESTED_KERAS[0][1]},<{TESTED_KERAS[1][0]}."
+                f"{TESTED_KERAS[1][1]}) to get them back.")
+
+
+def problems() -> list[str]:
+    """Why each fix that cannot apply on this Keras cannot ('fix: reason'); [] if all can."""
+    if not is_affected():
+        low, high = TESTED_KERAS
+        return [f"Keras {keras.__version__} is outside the tested releases "
+                f"{low[0]}.{low[1]} - {high[0]}.{high[1] - 1}"]
+    try:
+        fixes = _FIXES
+    except NameError:  # pragma: no cover - the targets failed to import
+        return ["Keras's TensorFlow trainer or optimizer module moved"]
+    found = []
+    for fix in fixes:
+        reason = fix.problem()
+        if reason:
+            found.append(f"{fix.name}: {reason}")
+    return found
+
+
+def status() -> Status:
+    return Status(is_applied(), keras.__version__, () if is_applied() else tuple(problems()))
+
+
 def apply() -> bool:
-    """Installs the fixes on Keras's TensorFlow trainer; returns whether they are active."""
-    if is_applied() or not is_affected():
+    """Installs every fix, or none if any cannot apply; returns whether they are active."""
+    if is_applied() or problems():
         return is_applied()
-    for owner, name, fixed in _FIXES:
-        original = getattr(owner, name)
-        _ORIGINALS[(owner, name)] = original
-        setattr(owner, name, fixed(original))
+    for fix in _FIXES:
+        owner = fix.owner()
+        original = getattr(owner, fix.attribute)
+        _ORIGINALS[(owner, fix.attribute)] = original
+        setattr(owner, fix.attribute, fix.make(original))
     return True
+
+
+def apply_and_report() -> Status:
+    """`apply()`, and one warning per process if the fixes cannot apply (which fix, why,
+    what still works). `create_strategy` calls it."""
+    apply()
+    result = status()
+    if not result.applied and result.problems not in _REPORTED:
+        _REPORTED.add(result.problems)
+        logging.warning("%s", result.message())
+    return result
 
 
 def revert() -> None:
@@ -81,6 +178,65 @@ def revert() -> None:
     for (owner, name), original in _ORIGINALS.items():
         setattr(owner, name, original)
     _ORIGINALS.clear()
+
+
+# -- what each fix needs to find ------------------------------------------------------
+
+def _nested_code_names(function) -> set[str]:
+    """Names of the functions defined inside `function` (its closures), recursively."""
+    names, stack = set(), [getattr(function, "__code__", None)]
+    while stack:
+        code = stack.pop()
+        for const in code.co_consts if code is not None else ():
+            if inspect.iscode(const):
+                names.add(const.co_name)
+                stack.append(const)
+    return names
+
+
+def _uses(function, *names: str) -> bool:
+    """Whether `function`'s code (closures included) refers to every one of `names`."""
+    found, stack = set(), [getattr(function, "__code__", None)]
+    while stack:
+        code = stack.pop()
+        if code is None:
+            continue
+        found.update(code.co_names)
+        found.update(code.co_freevars)
+        stack.extend(c for c in code.co_consts if inspect.iscode(c))
+    return set(names) <= found
+
+
+@dataclasses.dataclass(frozen=True)
+class Fix:
+    """One fix: `owner().attribute` is replaced by `make(original)`."""
+
+    name: str
+    owner: Callable[[], object]
+    attribute: str
+    make: Callable
+    parameters: tuple[str, ...] | None = None  # expected parameter names (None: any)
+    requires: Callable[[object], str | None] = lambda target: None  # more checks
+
+    def problem(self) -> str | None:
+        """Why this fix cannot apply here, or None."""
+        try:
+            owner = self.owner()
+        except (ImportError, AttributeError) as e:
+            return f"its owner is gone ({e})"
+        # Once applied, the checks read Keras's own function, not tfpar's wrapper.
+        target = _ORIGINALS.get((owner, self.attribute), getattr(owner, self.attribute, None))
+        where = f"{getattr(owner, '__name__', owner)}.{self.attribute}"
+        if not callable(target):
+            return f"{where} is missing (renamed or moved)"
+        if self.parameters is not None:
+            try:
+                found = tuple(inspect.signature(target).parameters)
+            except (TypeError, ValueError):
+                found = None
+            if found != self.parameters:
+                return f"{where} takes {found}, not {self.parameters}"
+        return self.requires(target)
 
 
 # -- 1. symbolic build under multi-worker strategies ---------------------------------
@@ -120,7 +276,7 @@ def _fix_symbolic_build(original):
 def _fix_reduce_per_replica(original):
     @functools.wraps(original)
     def reduce_per_replica(values, strategy, reduction):
-        if reduction not in ("auto", "mean") or not tf_trainer._collective_all_reduce_multi_worker(
+        if reduction not in ("auto", "mean") or not _trainer_module()._collective_all_reduce_multi_worker(  # pylint: disable=protected-access
             strategy
         ):
             return original(values, strategy, reduction)
@@ -137,16 +293,22 @@ def _fix_reduce_per_replica(original):
 
 # -- 2. steps_per_execution > 1 under multi-replica strategies -----------------------
 
+STEP_CLOSURE = "one_step_on_data"  # Keras's per-step function inside _make_function
+
+
 class _TFWithInlineStep:
     """The `tf` module as Keras's trainer sees it, except that `tf.function` leaves
-    Keras's per-step function (`one_step_on_data`) unwrapped."""
+    Keras's per-step function (`one_step_on_data`) unwrapped; `seen` says whether it came."""
+
+    def __init__(self):
+        self.seen = False
 
     def __getattr__(self, name):
         return getattr(tf, name)
 
-    @staticmethod
-    def function(func=None, **kwargs):
-        if func is not None and getattr(func, "__name__", "") == "one_step_on_data":
+    def function(self, func=None, **kwargs):
+        if func is not None and getattr(func, "__name__", "") == STEP_CLOSURE:
+            self.seen = True
             return func
         return tf.function(func, **kwargs)
 
@@ -157,11 +319,18 @@ def _fix_make_function(original):
         strategy = self._distribute_strategy
         if strategy is None or strategy.num_replicas_in_sync == 1 or self.run_eagerly:
             return original(self, step_function)
-        tf_trainer.tf = _TFWithInlineStep()
+        module = _trainer_module()
+        module.tf = inline = _TFWithInlineStep()
         try:
-            return original(self, step_function)
+            function = original(self, step_function)
         finally:
-            tf_trainer.tf = tf
+            module.tf = tf
+        if not inline.seen:  # detected, never skipped: fit would fail further on
+            raise private_api.KerasFixError(
+                f"Keras {keras.__version__} no longer wraps a function named {STEP_CLOSURE!r} "
+                "in _make_function, so tfpar's steps_per_execution fix cannot find it. Use a "
+                "Keras in setup.py's range, or steps_per_execution=1, or tfpar's loop.")
+        return function
 
     return _make_function
 
@@ -185,11 +354,73 @@ def _refuse_parameter_server(original):
     return method
 
 
+# -- 4. sparse gradients: one row per index before the optimizer ---------------------
+
+def _fix_all_reduce_sum_gradients(original):
+    @functools.wraps(original)
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        reduced = original(self, grads_and_vars)
+        if not _SUM_SPARSE_ROWS[0]:
+            return reduced
+        return [(sum_repeated_rows(g), v) for g, v in reduced]
+
+    return _all_reduce_sum_gradients
+
+
+# -- the targets, and what each fix relies on inside them ------------------------------
+
+def _trainer_module():
+    return private_api.trainer_module()
+
+
+def _trainer_class():
+    return _trainer_module().TensorFlowTrainer
+
+
+def _needs_strategy_reduce(target) -> str | None:
+    if not _uses(_trainer_class().__init__, "_distribute_strategy"):
+        return "TensorFlowTrainer no longer keeps _distribute_strategy"
+    if not _uses(target, "reduce"):
+        return "it no longer calls strategy.reduce"
+    return None
+
+
+def _needs_multi_worker_check(target) -> str | None:  # pylint: disable=unused-argument
+    if not callable(getattr(_trainer_module(), "_collective_all_reduce_multi_worker", None)):
+        return "_collective_all_reduce_multi_worker is missing"
+    return None
+
+
+def _needs_step_closure(target) -> str | None:
+    if STEP_CLOSURE not in _nested_code_names(target):
+        return f"its per-step closure {STEP_CLOSURE!r} was renamed"
+    if getattr(_trainer_module(), "tf", None) is not tf or not _uses(target, "tf", "function"):
+        return "it no longer wraps its step with the module's tf.function"
+    return None
+
+
+def _needs_reduce_in_update(target) -> str | None:  # pylint: disable=unused-argument
+    update = getattr(private_api.optimizer_class(), "_backend_update_step", None)
+    if update is None or not _uses(update, private_api.ALL_REDUCE):
+        return f"_backend_update_step no longer calls {private_api.ALL_REDUCE}"
+    return None
+
+
 _FIXES = (
-    (_Trainer, "_maybe_symbolic_build", _fix_symbolic_build),
-    (tf_trainer, "reduce_per_replica", _fix_reduce_per_replica),
-    (_Trainer, "_make_function", _fix_make_function),
-    (_Trainer, "fit", _refuse_parameter_server),
-    (_Trainer, "evaluate", _refuse_parameter_server),
-    (_Trainer, "predict", _refuse_parameter_server),
+    Fix("symbolic build under multi_worker_mirrored (keras#20585)", _trainer_class,
+        "_maybe_symbolic_build", _fix_symbolic_build, ("self", "iterator", "data_batch"),
+        _needs_strategy_reduce),
+    Fix("scalar logs under multi_worker_mirrored (keras#20585)", _trainer_module,
+        "reduce_per_replica", _fix_reduce_per_replica, ("values", "strategy", "reduction"),
+        _needs_multi_worker_check),
+    Fix("steps_per_execution > 1 under mirrored", _trainer_class, "_make_function",
+        _fix_make_function, ("self", "step_function"), _needs_step_closure),
+    Fix("fit under parameter_server refused clearly (keras#18624)", _trainer_class, "fit",
+        _refuse_parameter_server),
+    Fix("evaluate under parameter_server refused clearly", _trainer_class, "evaluate",
+        _refuse_parameter_server),
+    Fix("predict under parameter_server refused clearly", _trainer_class, "predict",
+        _refuse_parameter_server),
+    Fix("sparse gradients summed per row", private_api.optimizer_class, private_api.ALL_REDUCE,
+        _fix_all_reduce_sum_gradients, ("self", "grads_and_vars"), _needs_reduce_in_update),
 )

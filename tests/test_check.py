@@ -1,0 +1,84 @@
+"""tfpar-check on CPU: one device, mirrored on logical CPUs, two workers under tfpar-launch.
+
+Small sizes (--small) so it runs in CI; the numbers are measured, never asserted."""
+
+import json
+import sys
+
+import pytest
+
+from procs import run_python
+from tfpar import check
+from tfpar.launch import free_ports
+
+
+def run_check(*args, timeout=400):
+    result = run_python(["-m", "tfpar.check", "--json", "--small", *args], timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def assert_ready(report, replicas):
+    assert report["verdict"].startswith("READY"), report["verdict"]
+    assert report["strategy"]["replicas"] == replicas
+    assert report["keras_fixes"]["applied"]
+    assert report["fit_vs_loop"]["equal"] and report["fit_vs_loop"]["max_difference"] <= 1e-5
+    assert [row["bytes"] for row in report["all_reduce"]] == list(check.SMALL_SIZES)
+    assert all(row["time_us"] > 0 for row in report["all_reduce"])
+    assert {row["dtype"] for row in report["matmul"]} == {"float32", "bfloat16"}
+    for key in ("python", "tensorflow", "keras", "tfpar"):
+        assert report["versions"][key]
+
+
+def test_one_device_with_auto():
+    report = run_check()
+    assert report["strategy"]["name"] == "default" and "no TPU, cluster or GPU" in report["strategy"]["why"]
+    assert report["cluster"] is None and report["devices"]["cpu_cores"] >= 1
+    assert_ready(report, replicas=1)
+
+
+@pytest.mark.slow
+def test_mirrored_on_logical_cpus_measures_the_bus_bandwidth():
+    report = run_check("--strategy=mirrored", "--virtual-devices=2")
+    assert_ready(report, replicas=2)
+    assert all(row["busbw_gbs"] > 0 for row in report["all_reduce"])
+    assert len(report["matmul"]) == 4  # 2 devices x 2 dtypes
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_workers_under_tfpar_launch():
+    result = run_python(["-m", "tfpar.launch", "--workers", "2", "--", sys.executable, "-m",
+                         "tfpar.check", "--json", "--small"], timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:]
+    reports = [json.loads(line.split("] ", 1)[1]) for line in result.stdout.splitlines()
+               if line.startswith("[worker:") and "] {" in line]
+    assert len(reports) == 2
+    for report in reports:
+        assert report["strategy"]["name"] == "multi_worker_mirrored"
+        assert "TF_CONFIG lists 2 workers" in report["strategy"]["why"]
+        assert report["cluster"]["preflight"] == "all 1 peer(s) answered"
+        assert_ready(report, replicas=2)
+
+
+def test_text_report_ends_with_the_verdict():
+    report = {"versions": {"python": "3", "tensorflow": "2", "keras": "3", "tfpar": "0"},
+              "problems": [], "warnings": ["fixes off"], "cluster": None,
+              "strategy": {"name": "default", "why": "the CPU", "replicas": 1},
+              "all_reduce": [{"bytes": 4096, "time_us": 10.0, "algbw_gbs": 0.4, "busbw_gbs": 0.0}]}
+    text = check.render(report)
+    assert "busbw (GB/s)" in text and "cluster    none (one process)" in text
+    assert text.splitlines()[-1] == "READY with warnings (default x1): fixes off"
+    report["problems"].append("peer worker[1] unreachable")
+    assert check.verdict(report).startswith("NOT READY (default x1): peer worker[1]")
+
+
+def test_an_unreachable_peer_is_not_ready():
+    own, peer = free_ports(2)  # nobody listens on the peer's port
+    cluster = json.dumps({"cluster": {"worker": [f"127.0.0.1:{own}", f"127.0.0.1:{peer}"]},
+                          "task": {"type": "worker", "index": 0}})
+    result = run_python(["-m", "tfpar.check", "--json", "--small", "--connect-timeout=1"],
+                        timeout=120, TF_CONFIG=cluster)
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["verdict"].startswith("NOT READY") and "worker[1]" in report["verdict"]

@@ -1,0 +1,188 @@
+"""Every touch of a private Keras or TensorFlow name in tfpar, each with its reason.
+
+Keras 3 and TensorFlow offer no public way to do a few things tfpar needs (keep Keras's
+optimizer from all-reducing gradients a second time, update a sharded variable, mend
+Keras's TensorFlow trainer). Each such touch lives here, so that a new release breaks one
+module, and each says why it exists. What a touch changes on a caller's object is undone
+when tfpar is done with it (see `trainer_step`).
+
+Touches:
+
+- `TFOptimizer._all_reduce_sum_gradients` (Keras): the optimizer's own cross-replica sum
+  inside `apply`. tfpar's loop has summed the gradients already (its aggregator: one
+  all-reduce, or compression), so it is an identity while tfpar traces its step;
+  `keras_fixes` wraps it to sum a sparse gradient's repeated rows after the all-reduce.
+- `TFOptimizer._distributed_tf_update_step` (Keras): the update under a strategy goes
+  through `strategy.extended.update`, which fails on a ShardedVariable (parameter-server
+  variable partitioning); replaced while tfpar traces its step (`sharded_updates`).
+- `optimizer.global_clipnorm` (public, but Keras clips per replica before its all-reduce):
+  tfpar's loop clips the summed gradients itself, so Keras's clip is off while it traces.
+- `LossScaleOptimizer.inner_optimizer` (public attribute, no public "unwrap"): every touch
+  above applies to the wrapper and to the optimizer it wraps (`optimizers_of`).
+- `keras.src.backend.tensorflow.trainer` and `...optimizer` (Keras private modules): the
+  targets of `tfpar.strategy.keras_fixes` (`trainer_module`, `optimizer_class`).
+- `tensorflow.python.distribute.sharded_variable.ShardedVariable`: no public type to test
+  a variable against (`is_sharded`).
+
+Example:
+    >>> with private_api.trainer_step(optimizer):   # while tracing tfpar's step
+    ...     optimizer.apply(summed, variables)       # no second all-reduce, no Keras clip
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import keras
+
+from tfpar.errors import TfparError
+
+ALL_REDUCE = "_all_reduce_sum_gradients"
+UPDATE_STEP = "_distributed_tf_update_step"
+_MISSING = object()
+
+
+class KerasFixError(TfparError, RuntimeError):
+    """A private Keras/TensorFlow name tfpar relies on is missing or has changed."""
+
+
+def trainer_module():
+    """Keras's TensorFlow trainer module (`keras.src.backend.tensorflow.trainer`)."""
+    from keras.src.backend.tensorflow import trainer  # pylint: disable=import-outside-toplevel
+
+    return trainer
+
+
+def optimizer_class():
+    """Keras's TensorFlow optimizer base class (`TFOptimizer`)."""
+    from keras.src.backend.tensorflow import optimizer  # pylint: disable=import-outside-toplevel
+
+    return optimizer.TFOptimizer
+
+
+def optimizers_of(optimizer: keras.optimizers.Optimizer) -> list:
+    """The optimizer, and the one it wraps if it is a LossScaleOptimizer (fp16)."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    return [optimizer] if inner is None else [optimizer, inner]
+
+
+def base_optimizer(optimizer: keras.optimizers.Optimizer):
+    """The optimizer that holds the hyper-parameters (clipping): the wrapped one under fp16."""
+    return optimizers_of(optimizer)[-1]
+
+
+def is_loss_scaled(optimizer: keras.optimizers.Optimizer) -> bool:
+    return len(optimizers_of(optimizer)) > 1
+
+
+def is_sharded(variable) -> bool:
+    """Whether `variable` is split over parameter servers (a ShardedVariable)."""
+    from tensorflow.python.distribute import sharded_variable  # pylint: disable=import-outside-toplevel
+
+    return isinstance(variable, sharded_variable.ShardedVariable)
+
+
+def check_optimizer(optimizer: keras.optimizers.Optimizer, sharded_updates: bool = False) -> None:
+    """Raises KerasFixError if this Keras's optimizer lacks what `trainer_step` replaces."""
+    names = (ALL_REDUCE, UPDATE_STEP) if sharded_updates else (ALL_REDUCE,)
+    for target in optimizers_of(optimizer):
+        for name in names:
+            if not callable(getattr(target, name, None)):
+                raise KerasFixError(
+                    f"{type(target).__name__} of Keras {keras.__version__} has no {name}; "
+                    "tfpar.Trainer cannot keep it from reducing the gradients twice. Use a Keras "
+                    "release in setup.py's range, or train with Keras fit.")
+
+
+def _identity_reduce(grads_and_vars):
+    return list(grads_and_vars)
+
+
+def _sharded_update(target):
+    """`_distributed_tf_update_step` that updates a ShardedVariable directly: the update
+    reads its whole value and `ShardedVariable.assign*` writes each slice to its server."""
+
+    def update(distribution, grads_and_vars, learning_rate):
+        for grad, var in grads_and_vars:
+            if is_sharded(var):
+                target.update_step(grad, var, learning_rate)
+            else:
+                distribution.extended.update(
+                    var, lambda v, g, lr: target.update_step(g, v, lr),
+                    args=(grad, learning_rate), group=False)
+
+    return update
+
+
+@contextlib.contextmanager
+def _set(target, name: str, value) -> Iterator[None]:
+    """Sets `target.name` within the block; restores the instance's own value after."""
+    saved = vars(target).get(name, _MISSING)
+    setattr(target, name, value)
+    try:
+        yield
+    finally:
+        if saved is _MISSING:
+            delattr(target, name)
+        else:
+            setattr(target, name, saved)
+
+
+@contextlib.contextmanager
+def trainer_step(optimizer: keras.optimizers.Optimizer, sharded_updates: bool = False) -> Iterator[None]:
+    """While tfpar's loop traces its step: no all-reduce and no clipping inside `apply`
+    (the aggregator summed and the Trainer clipped already), and with `sharded_updates`
+    the parameter-server update path. Everything is restored on exit, so the same
+    optimizer then clips and synchronises under `model.fit` as before.
+
+    Enter it from the cross-replica context (around `strategy.run`): MirroredStrategy runs
+    replicas in threads that must all see the same optimizer.
+    """
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_set(base_optimizer(optimizer), "global_clipnorm", None))
+        for target in optimizers_of(optimizer):
+            stack.enter_context(_set(target, ALL_REDUCE, _identity_reduce))
+            if sharded_updates:
+                stack.enter_context(_set(target, UPDATE_STEP, _sharded_update(target)))
+        yield
+
+
+# -- TensorFlow names other modules touch (kept here so one module holds them all) ---
+
+def runtime_started() -> bool:
+    """Whether TensorFlow's eager context exists (`context()._context_handle`): there is no
+    public query, and calling any public API would start the runtime."""
+    from tensorflow.python.eager import context  # pylint: disable=import-outside-toplevel
+
+    return context.context()._context_handle is not None  # pylint: disable=protected-access
+
+
+def function_library(graph) -> dict:
+    """Name -> function of a FuncGraph's nested functions (`graph._functions`): the only way
+    to walk from a traced step into the functions it calls (wire-byte accounting)."""
+    return dict(graph._functions)  # pylint: disable=protected-access
+
+
+def inbound_nodes(layer) -> list:
+    """A Keras layer's inbound nodes (`layer._inbound_nodes`): Keras has no public graph walk
+    to tell a chain-shaped functional model from one that branches."""
+    return list(layer._inbound_nodes)  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def collective_key_base(strategy_class, base: int) -> Iterator[None]:
+    """`MirroredStrategy._collective_key_base`: TensorFlow's own hook to give a second
+    strategy in one process its own collective group keys (otherwise both use group 1)."""
+    saved = strategy_class._collective_key_base  # pylint: disable=protected-access
+    strategy_class._collective_key_base = base  # pylint: disable=protected-access
+    try:
+        yield
+    finally:
+        strategy_class._collective_key_base = saved  # pylint: disable=protected-access
+
+
+__all__ = ["KerasFixError", "base_optimizer", "check_optimizer", "collective_key_base",
+           "function_library", "inbound_nodes", "is_loss_scaled", "is_sharded",
+           "optimizer_class", "optimizers_of", "runtime_started", "trainer_module",
+           "trainer_step"]
