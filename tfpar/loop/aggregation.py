@@ -8,6 +8,8 @@ Gradient compression (tfpar.compression) plugs in here.
 Every hook the Trainer calls is declared on `GradientAggregator` with a no-op default, so
 an aggregator overrides only what it needs and the Trainer never probes with `hasattr`:
 
+- `check_optimizer(optimizer)`: at construction; refuses an optimizer the aggregator's
+  gradients cannot go to (e.g. DGC moves momentum into the compressor: plain SGD only).
 - `build(variables)`: once, under `strategy.scope()`, before any step is traced.
 - `boundaries()`: steps at which `phase` changes; the Trainer cuts its runs there.
 - `phase(step)`: a hashable value; each distinct phase gets its own trace of the step.
@@ -35,6 +37,9 @@ class GradientAggregator(abc.ABC):
     @abc.abstractmethod
     def __call__(self, gradients: Sequence[tf.Tensor], variables: Sequence[tf.Variable]) -> list[tf.Tensor]:
         """Returns the gradients summed over all replicas, in the same order."""
+
+    def check_optimizer(self, optimizer) -> None:
+        """Raises when `optimizer` cannot apply what this aggregator returns; default: any."""
 
     def build(self, variables: Sequence[tf.Variable]) -> None:
         """Creates any state (under `strategy.scope()`); default: none."""

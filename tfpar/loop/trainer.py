@@ -133,6 +133,7 @@ class Trainer:
         if private_api.is_loss_scaled(optimizer):  # fp16: the loss scale skips by itself
             nonfinite = "ignore"
         self.aggregator = _aggregator_for(self.strategy, aggregator, compression)
+        self.aggregator.check_optimizer(optimizer)
         is_async = parameter_server.is_parameter_server(self.strategy)
         self._async = parameter_server.AsyncSteps(self.strategy) if is_async else None
         self.placement = placement
