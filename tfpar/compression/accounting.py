@@ -20,6 +20,8 @@ import dataclasses
 
 import tensorflow as tf
 
+from tfpar.strategy import private_api
+
 COLLECTIVE_TYPES = ("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveReduce",
                     "CollectiveGather", "CollectiveBcastSendV2", "NcclAllReduce",
                     "CollectiveAllToAllV2")
@@ -77,7 +79,7 @@ def _all_graphs(top) -> dict:
     found = {"": top}
 
     def visit(graph):
-        for name, function in graph._functions.items():  # pylint: disable=protected-access
+        for name, function in private_api.function_library(graph).items():
             if name not in found and hasattr(function, "graph"):
                 found[name] = function.graph
                 visit(function.graph)

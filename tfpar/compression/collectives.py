@@ -16,30 +16,17 @@ Example (replica context, inside tf.function):
 from __future__ import annotations
 
 import tensorflow as tf
-from tensorflow.python.ops import collective_ops  # pylint: disable=no-name-in-module
 
 from tfpar.compression.compressors import CompressionError
-
-
-def _launcher(context):
-    extended = context.strategy.extended
-    ops = getattr(extended, "_collective_ops", None) or getattr(extended, "_cross_device_ops", None)
-    launchers = getattr(ops, "_launchers", None)
-    if not launchers:
-        raise CompressionError(
-            f"The two-phase compressed all-reduce (onebit_adam) needs a collective strategy: "
-            f"{type(context.strategy).__name__} has no collective launchers. Train it under "
-            "mirrored or multi_worker_mirrored, or pick another compressor.")
-    return launchers[context._replica_id]  # pylint: disable=protected-access  (local index)
+from tfpar.strategy import private_api
 
 
 def all_to_all(context, tensor: tf.Tensor) -> tf.Tensor:
     """Row j of `tensor` ([R, ...]) goes to replica j; returns row i from replica i."""
-    launcher = _launcher(context)
-    # pylint: disable=protected-access
-    with tf.device(launcher._device):
-        return collective_ops.all_to_all_v2(
-            tensor, launcher._group_size, launcher._group_key, launcher._next_instance_key(),
-            communication_hint=launcher._options.implementation.value,
-            timeout=launcher._options.timeout_seconds,
-            ordering_token=launcher._get_ordering_token())
+    launcher = private_api.collective_launcher(context)
+    if launcher is None:
+        raise CompressionError(
+            f"The two-phase compressed all-reduce (onebit_adam) needs a collective strategy: "
+            f"{type(context.strategy).__name__} has no collective launchers. Train it under "
+            "mirrored or multi_worker_mirrored, or pick another compressor.")
+    return private_api.launcher_all_to_all(launcher, tensor)

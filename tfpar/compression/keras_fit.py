@@ -23,6 +23,7 @@ import keras
 from tfpar.compression.auto import Auto
 from tfpar.compression.compressed_aggregator import Compression
 from tfpar.compression.compressors import CompressionError, Compressor
+from tfpar.strategy import keras_fixes, private_api
 
 
 def compress_fit(model: keras.Model, compression: Compressor | Compression) -> Compression:
@@ -49,11 +50,6 @@ def compress_fit(model: keras.Model, compression: Compressor | Compression) -> C
     compression.check_optimizer(model.optimizer)
     variables = list(model.trainable_weights)
     compression.build(variables)
-    optimizer = model.optimizer
-    targets = [optimizer]
-    if getattr(optimizer, "inner_optimizer", None) is not None:  # LossScaleOptimizer (fp16)
-        targets.append(optimizer.inner_optimizer)
-
     def all_reduce(grads_and_vars):
         grads_and_vars = list(grads_and_vars)
         if len(grads_and_vars) != len(variables):
@@ -61,11 +57,8 @@ def compress_fit(model: keras.Model, compression: Compressor | Compression) -> C
                 f"The optimizer got {len(grads_and_vars)} gradients for {len(variables)} trainable "
                 "weights: compress_fit needs every trainable weight to have a gradient.")
         grads = compression([g for g, _ in grads_and_vars], variables)
+        grads = [keras_fixes.sum_repeated_rows(g) for g in grads]  # as fix 4 does for plain fit
         return list(zip(grads, [v for _, v in grads_and_vars]))
 
-    for target in targets:
-        if not hasattr(target, "_all_reduce_sum_gradients"):
-            raise CompressionError(f"This Keras version's optimizer has no _all_reduce_sum_gradients "
-                                   f"(Keras {keras.__version__}); compress_fit cannot hook into it.")
-        target._all_reduce_sum_gradients = all_reduce  # pylint: disable=protected-access
+    private_api.replace_all_reduce(model.optimizer, all_reduce)
     return compression

@@ -22,6 +22,7 @@ import keras
 
 from tfpar.errors import TfparError
 from tfpar.models.staged import Stage, StagedModel
+from tfpar.strategy import private_api
 
 
 class NotAChainError(TfparError, ValueError):
@@ -38,7 +39,7 @@ def chain_layers(model: keras.Model) -> list[keras.layers.Layer]:
                              "outputs; a chain has one of each.")
     previous = model.inputs[0]._keras_history[0].name
     for layer in layers:
-        nodes = layer._inbound_nodes  # pylint: disable=protected-access
+        nodes = private_api.inbound_nodes(layer)
         sources = [t._keras_history[0].name for t in nodes[0].input_tensors] if nodes else []
         if len(nodes) != 1 or sources != [previous]:
             raise NotAChainError(

@@ -42,6 +42,7 @@ import tensorflow as tf
 
 from tfpar.models.blocks import recompute_attention_core
 from tfpar.placement import activations, schedules, tpu_cores
+from tfpar.strategy import private_api
 from tfpar.placement.plan import PlacementError, StagePlan
 from tfpar.placement.schedules import SCHEDULES
 
@@ -291,7 +292,7 @@ class _Step:
         frontier, weight_grads = self.weights.pop((g, m))
         for op in frontier:  # W's first ops wait for the device's previous unit; TF has no
             for dep in deps:  # public API that adds a control input to an op already built
-                op._add_control_input(dep if isinstance(dep, tf.Operation) else dep.op)  # noqa: SLF001
+                private_api.add_control_input(op, dep if isinstance(dep, tf.Operation) else dep.op)
         self._accumulate(g, weight_grads)
         return [t for t in weight_grads if t is not None]
 

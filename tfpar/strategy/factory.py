@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from tfpar.errors import StrategyOptionError, TPUNotFoundError, UnknownStrategyError
 from tfpar.strategy import cluster as cluster_lib
-from tfpar.strategy import keras_fixes, preflight, runtime, tpu as tpu_lib
+from tfpar.strategy import keras_fixes, preflight, private_api, runtime, tpu as tpu_lib
 
 STRATEGY_NAMES = (
     "auto", "default", "one_device", "mirrored", "multi_worker_mirrored", "parameter_server", "tpu",
@@ -253,12 +253,8 @@ def _own_collective_keys(strategy_class):
     group with size 4, but that group has size 2"). TensorFlow offers the class
     attribute `_collective_key_base` for exactly this; each strategy gets its own base.
     """
-    saved = strategy_class._collective_key_base  # pylint: disable=protected-access
-    strategy_class._collective_key_base = next(_strategies_made) * 10_000  # pylint: disable=protected-access
-    try:
+    with private_api.collective_key_base(strategy_class, next(_strategies_made) * 10_000):
         yield
-    finally:
-        strategy_class._collective_key_base = saved  # pylint: disable=protected-access
 
 
 def _multi_worker_cluster(cluster: Any, connect_timeout_s: float):

@@ -182,7 +182,53 @@ def collective_key_base(strategy_class, base: int) -> Iterator[None]:
         strategy_class._collective_key_base = saved  # pylint: disable=protected-access
 
 
-__all__ = ["KerasFixError", "base_optimizer", "check_optimizer", "collective_key_base",
+def replace_all_reduce(optimizer: keras.optimizers.Optimizer, all_reduce) -> None:
+    """Makes `all_reduce(grads_and_vars)` the cross-replica sum inside `optimizer.apply`
+    (and its LossScaleOptimizer's inner one), for good: `compress_fit` sends fit's
+    gradients through the compressor there instead of Keras's own all-reduce."""
+    for target in optimizers_of(optimizer):
+        if not hasattr(target, ALL_REDUCE):
+            raise KerasFixError(f"This Keras version's optimizer has no {ALL_REDUCE} (Keras "
+                                f"{keras.__version__}); compressed fit cannot hook into it.")
+        setattr(target, ALL_REDUCE, all_reduce)
+
+
+def add_control_input(op, dependency) -> None:
+    """`Operation._add_control_input`: TensorFlow's only way to add a control edge to an op
+    after it was made. The zero-bubble pipeline holds a weight-gradient (W) unit's ops back
+    until the unit before it on the device has run; the ops are created by one
+    `tape.gradient` call, so a `tf.control_dependencies` block cannot reach them."""
+    op._add_control_input(dependency)  # pylint: disable=protected-access
+
+
+def collective_launcher(context):
+    """This replica's `CollectiveReplicaLauncher` (`extended._collective_ops._launchers`):
+    the group key, instance keys and ordering token of the strategy's own collectives, so an
+    all-to-all issued by tfpar joins the same group in the same order (there is no public
+    all-to-all in tf.distribute)."""
+    extended = context.strategy.extended
+    ops = getattr(extended, "_collective_ops", None) or getattr(extended, "_cross_device_ops", None)
+    launchers = getattr(ops, "_launchers", None)
+    if not launchers:
+        return None
+    return launchers[context._replica_id]  # pylint: disable=protected-access  (local index)
+
+
+def launcher_all_to_all(launcher, tensor):
+    """CollectiveAllToAllV2 with `launcher`'s group, next instance key and ordering token."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    from tensorflow.python.ops import collective_ops  # pylint: disable=import-outside-toplevel
+
+    # pylint: disable=protected-access
+    with tf.device(launcher._device):
+        return collective_ops.all_to_all_v2(
+            tensor, launcher._group_size, launcher._group_key, launcher._next_instance_key(),
+            communication_hint=launcher._options.implementation.value,
+            timeout=launcher._options.timeout_seconds,
+            ordering_token=launcher._get_ordering_token())
+
+
+__all__ = ["KerasFixError", "add_control_input", "replace_all_reduce", "collective_launcher", "launcher_all_to_all", "base_optimizer", "check_optimizer", "collective_key_base",
            "function_library", "inbound_nodes", "is_loss_scaled", "is_sharded",
            "optimizer_class", "optimizers_of", "runtime_started", "trainer_module",
            "trainer_step"]
