@@ -57,6 +57,7 @@ def base_config() -> ml_collections.ConfigDict:
         name="corpus", files="", seq_len=128, data_dir="", augment=False))
     c.train = ml_collections.ConfigDict(dict(
         steps=600, batch_size=32, steps_per_loop=10, log_every=50, checkpoint_every=200,
+        eval_every=0,                   # evaluate every N steps during training (0: at the end only)
         eval_batch_size=64, eval_examples=0, xla=True,
         nonfinite="stop"))             # NaN/Inf gradients: stop (name the step) | skip (loop) | ignore
     c.optimizer = ml_collections.ConfigDict(dict(
@@ -124,18 +125,14 @@ def validate(config) -> None:
     t = config.train
     for key in ("steps", "batch_size", "steps_per_loop", "log_every", "checkpoint_every", "eval_batch_size"):
         _require(isinstance(t[key], int) and t[key] > 0, f"train.{key}", f"must be a positive integer, got {t[key]!r}.")
+    _require(isinstance(t.eval_every, int) and t.eval_every >= 0, "train.eval_every",
+             f"must be an integer >= 0 (0: evaluate at the end only), got {t.eval_every!r}.")
     _require(t.eval_examples >= 0, "train.eval_examples", "must be >= 0 (0 evaluates them all).")
-    _require(t.checkpoint_every % t.steps_per_loop == 0, "train.checkpoint_every",
-             f"{t.checkpoint_every} must be a multiple of train.steps_per_loop ({t.steps_per_loop}).")
-    _require(t.steps % t.checkpoint_every == 0, "train.steps",
-             f"{t.steps} must be a multiple of train.checkpoint_every ({t.checkpoint_every}).")
     _require(t.nonfinite in ("stop", "skip", "ignore"), "train.nonfinite",
              f"{t.nonfinite!r} is not one of stop, skip, ignore.")
     _require(not (t.nonfinite == "skip" and config.mode == "fit"), "train.nonfinite",
              "skip needs tfpar's loop (Keras fit cannot skip one update): add --config.mode=loop, "
              "or use stop.")
-    _require(t.log_every % t.steps_per_loop == 0, "train.log_every",
-             f"{t.log_every} must be a multiple of train.steps_per_loop ({t.steps_per_loop}).")
     o = config.optimizer
     _require(o.name in OPTIMIZERS, "optimizer.name", f"{o.name!r} is not one of {', '.join(OPTIMIZERS)}.")
     _require(o.learning_rate > 0, "optimizer.learning_rate", "must be positive.")
