@@ -24,8 +24,6 @@ import tempfile
 import time
 from typing import Any, Callable
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up chatter
-
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -34,6 +32,8 @@ from tfpar.errors import TfparError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, summaries and results.")
+_VERBOSE = flags.DEFINE_bool("verbose", False, "Show TensorFlow's C++ start-up lines (oneDNN, CUDA "
+                             "probes) and tfpar's info logs.")
 
 
 def _say(message: str) -> None:
@@ -42,6 +42,9 @@ def _say(message: str) -> None:
 
 def check_workdir(workdir: str) -> None:
     """Creates `workdir` and proves it is writable, before anything expensive."""
+    if os.path.isfile(workdir):
+        raise ConfigError(f"--workdir={workdir} is a file, not a directory. Pass a directory "
+                          "(it is created if missing), e.g. --workdir=/tmp/tfpar_run.")
     try:
         os.makedirs(workdir, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=workdir, prefix=".write_test_"):
@@ -51,6 +54,29 @@ def check_workdir(workdir: str) -> None:
             f"--workdir={workdir} is not writable ({e.strerror}). Pick a directory you can write "
             "to, or fix its permissions / free space."
         ) from None
+
+
+def import_tensorflow_quietly() -> None:
+    """Loads TensorFlow without its C++ start-up lines (the oneDNN notice, CUDA probes such
+    as "failed call to cuInit" on a CPU-only machine), which it writes to stderr before
+    any log level applies. Lines of a failed import are shown."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # later C++ logs (cuInit) as well
+    if "tensorflow" in sys.modules:
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            import tensorflow  # noqa: F401  pylint: disable=unused-import,import-outside-toplevel
+        except BaseException:
+            os.dup2(saved, 2)
+            sink.seek(0)
+            sys.stderr.write(sink.read().decode(errors="replace"))
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def _create_strategy(config):
@@ -312,20 +338,33 @@ def train_and_evaluate(config, workdir: str) -> dict:
     return results
 
 
-def main(argv) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # our own progress lines say what matters
+def _refuse(message: str, code: int = 2) -> None:
+    """The one line a refusal gets (no absl error line beside it), then exit."""
+    print(f"tfpar-train: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def _load_config():
+    """The config file, loaded; a file that does not load is one line naming it."""
     try:
         config = _CONFIG.value
         config.mode  # noqa: B018  (a config file that failed to load raises here)
     except OSError as e:
-        print(f"tfpar-train: --config could not be loaded ({str(e).splitlines()[0]}). Check the "
-              "path, e.g. --config=configs/gpt_tiny.py.", file=sys.stderr)
-        sys.exit(2)
-    if config is None:
+        _refuse(f"--config could not be loaded ({str(e).splitlines()[0]}). Check the path, e.g. "
+                "--config=configs/gpt_tiny.py.")
+    return config
+
+
+def main(argv) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+    if not _VERBOSE.value:
+        if not flags.FLAGS["verbosity"].present:
+            logging.set_verbosity(logging.WARNING)  # our own progress lines say what matters
+        import_tensorflow_quietly()
+    if _CONFIG.value is None:
         raise app.UsageError("--config is required, e.g. --config=configs/gpt_tiny.py")
+    config = _load_config()
     workdir = _WORKDIR.value
     if not workdir:
         raise app.UsageError("--workdir is required, e.g. --workdir=/tmp/tfpar_run")
@@ -334,17 +373,14 @@ def main(argv) -> None:
         check_workdir(workdir)
         train_and_evaluate(config, workdir)
     except TfparError as e:
-        logging.error("%s", e)
-        print(f"tfpar-train: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        _refuse(str(e))
     except Exception as e:  # noqa: BLE001  (only a lost peer is turned into a message)
         lost = _lost_peer(e)
         if lost is None:
             raise
-        print(f"tfpar-train: a peer of this worker stopped answering ({lost}). This worker stops "
-              "too. Restart the whole group (tfpar-launch --max-restarts K does it for you): the "
-              "run resumes from its newest checkpoint in --workdir.", file=sys.stderr, flush=True)
-        sys.exit(1)
+        _refuse(f"a peer of this worker stopped answering ({lost}). This worker stops too. "
+                "Restart the whole group (tfpar-launch --max-restarts K does it for you): the run "
+                "resumes from its newest checkpoint in --workdir.", code=1)
 
 
 def _lost_peer(error: Exception) -> str | None:
@@ -363,6 +399,9 @@ def _parse_flags(argv: list[str]) -> list[str]:
     """absl's parser, with config-override mistakes turned into one clear line."""
     try:
         return flags.FLAGS(argv)
+    except SyntaxError as e:  # the config file itself, executed while --config is parsed
+        print(f"tfpar-train: --config file {e.filename}, line {e.lineno}: {e.msg}. Fix that line.",
+              file=sys.stderr)
     except flags.Error as e:
         print(f"tfpar-train: {e}\nPass --helpfull for every flag.", file=sys.stderr)
     except (AttributeError, KeyError, TypeError, ValueError) as e:
