@@ -336,10 +336,11 @@ class Trainer:
                 "dynamic_collectives": len(accounting.dynamic(found))}
 
     def _chunks(self, start: int, end: int) -> list[int]:
-        """Step counts per tf.function call: steps_per_loop, cut at phase boundaries."""
-        from tfpar.controller import plan
-
-        return plan(start, end, self.steps_per_loop, boundaries=self._boundaries())
+        """Step counts per tf.function call: steps_per_loop, cut at phase boundaries (with a
+        controller, `fit` takes the controller's plan instead, cut at its intervals too)."""
+        cuts = sorted({*range(start, end, self.steps_per_loop), end,
+                       *(b for b in self._boundaries() if start < b < end)})
+        return [b - a for a, b in zip(cuts, cuts[1:])]
 
     def per_worker_dataset(self, dataset_fn):
         """parameter_server only: `dataset_fn()` built on every worker, for `fit`.
