@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import re
 import runpy
 import tempfile
 
@@ -64,6 +65,19 @@ def test_resume_at_an_odd_step_continues_with_the_same_weights(tmp_path, mode):
     assert steps("straight") == [20, 40, 45] and steps("resumed") == [23, 40, 45]  # 3 kept
     for name in a:
         np.testing.assert_allclose(b[name], a[name], rtol=1e-6, atol=1e-6, err_msg=name)
+
+
+def test_intervals_that_do_not_divide_land_on_their_steps(tmp_path, capsys):
+    """steps 20, steps_per_loop 4, checkpoint_every 15, eval_every 10, log_every 6: each
+    interval lands on its step, and the run ends with a checkpoint and a line at step 20."""
+    config = load_config("reverse_tiny", steps=20, steps_per_loop=4, checkpoint_every=15,
+                         eval_every=10, log_every=6, eval_examples=100)
+    train_and_evaluate(config, str(tmp_path))
+    out = capsys.readouterr().out
+    assert [int(s) for s in re.findall(r"^step\s+(\d+)/20", out, re.M)] == [6, 12, 18, 20]
+    assert [int(s) for s in re.findall(r"^eval at step (\d+):", out, re.M)] == [10]
+    assert sorted(int(p.rsplit("-", 1)[1].split(".")[0]) for p in glob.glob(
+        str(tmp_path / "checkpoints" / "ckpt-*.index"))) == [15, 20]
 
 
 def test_bad_values_name_their_key():
