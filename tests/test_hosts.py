@@ -1,0 +1,161 @@
+"""Hosts that are separate network stacks (network namespaces), for multi-machine tests.
+
+Root only (ip netns, tc): skipped with the reason elsewhere. CI runs as root.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from procs import REPO, SCRIPTS, env
+from tfpar.testing.netns import Hosts, HostsError
+
+pytestmark = pytest.mark.skipif(Hosts.unavailable() is not None,
+                                reason=Hosts.unavailable() or "")
+
+SINK = ("import socket,sys\ns=socket.socket();s.bind(('0.0.0.0',int(sys.argv[1])));s.listen()\n"
+        "c,_=s.accept();n=0\nwhile True:\n d=c.recv(1<<20)\n if not d: break\n n+=len(d)\nprint(n)")
+SOURCE = ("import socket,sys\ns=socket.create_connection((sys.argv[1],int(sys.argv[2])),30)\n"
+          "s.sendall(b'x'*int(sys.argv[3]));s.close()")
+
+
+def _namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def _send(hosts: Hosts, src: int, dst: int, port: int, size: int) -> tuple[int, float]:
+    """Bytes received at `dst` and the seconds the transfer took."""
+    sink = hosts.popen(dst, [sys.executable, "-c", SINK, str(port)], stdout=subprocess.PIPE, text=True)
+    assert hosts.wait_reachable(src, dst, port, 15)  # (that probe is the sink's one accept)
+    sink.wait(15)
+    sink = hosts.popen(dst, [sys.executable, "-c", SINK, str(port + 1)], stdout=subprocess.PIPE, text=True)
+    time.sleep(0.3)
+    start = time.monotonic()
+    hosts.run(src, [sys.executable, "-c", SOURCE, hosts.addresses[dst], str(port + 1), str(size)],
+              check=True, timeout=120)
+    received = int(sink.communicate(timeout=60)[0])
+    return received, time.monotonic() - start
+
+
+def test_hosts_have_their_own_addresses_a_shaped_rate_and_a_cable_to_pull():
+    before = _namespaces()
+    with Hosts(2, rate="20mbit") as hosts:
+        assert len(set(hosts.addresses)) == 2 and set(hosts.names) <= _namespaces()
+        for i, address in enumerate(hosts.addresses):  # each host holds its own address only
+            shown = hosts.run(i, ["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True).stdout
+            assert address in shown and hosts.addresses[1 - i] not in shown
+        received, seconds = _send(hosts, 0, 1, 5101, 5 << 20)
+        assert received == 5 << 20
+        assert 5 * 8 * 1.048576 / seconds < 20 * 1.1  # the tbf rate holds (never faster)
+        hosts.link(1, up=False)
+        assert not hosts.wait_reachable(0, 1, 5101, timeout=2)
+        hosts.link(1, up=True)
+    assert _namespaces() == before  # all removed
+
+
+def test_delay_and_loss_come_from_the_userspace_wire():
+    with Hosts(2, delay="100ms", loss="2%") as hosts:
+        probe = ("import socket,sys,time\nt=time.monotonic()\n"
+                 "s=socket.create_connection((sys.argv[1],int(sys.argv[2])),10)\n"
+                 "print(time.monotonic()-t)")
+        sink = hosts.popen(1, [sys.executable, "-c", SINK, "5201"], stdout=subprocess.PIPE)
+        assert hosts.wait_reachable(0, 1, 5201, 15)
+        sink.wait(15)
+        sink = hosts.popen(1, [sys.executable, "-c", SINK, "5202"], stdout=subprocess.PIPE)
+        time.sleep(0.3)
+        rtt = float(hosts.run(0, [sys.executable, "-c", probe, hosts.addresses[1], "5202"],
+                              capture_output=True, text=True, check=True).stdout)
+        assert 0.19 < rtt < 2.0  # one round trip: 100 ms each way (more if the SYN was lost)
+        sink.kill()
+        received, _ = _send(hosts, 0, 1, 5203, 1 << 20)
+        assert received == 1 << 20  # TCP carries everything across the lossy wire
+
+
+def test_the_namespaces_go_away_when_the_block_fails():
+    before = _namespaces()
+    with pytest.raises(RuntimeError, match="boom"):
+        with Hosts(3):
+            raise RuntimeError("boom")
+    assert _namespaces() == before
+    with pytest.raises(HostsError, match="loss"):
+        Hosts(2, loss="150%")
+
+
+def _tf_config(addresses: list[str], port: int, index: int) -> str:
+    return json.dumps({"cluster": {"worker": [f"{a}:{port}" for a in addresses]},
+                       "task": {"type": "worker", "index": index}})
+
+
+def run_workers(hosts: Hosts, script: str, *args: str, port: int = 23456, timeout: float = 420,
+                hosts_used: int | None = None) -> list[subprocess.CompletedProcess]:
+    """Runs tests/scripts/SCRIPT as worker i on host i with a TF_CONFIG of host addresses."""
+    count = hosts_used or hosts.n
+    procs = [hosts.popen(i, [sys.executable, str(SCRIPTS / script), *args], cwd=REPO,
+                         env=env(TF_CONFIG=_tf_config(hosts.addresses[:count], port, i)),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(count)]
+    outputs = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=timeout)
+        outputs.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, ""))
+    return outputs
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_fit_and_loop_across_two_hosts_match_one_process(tmp_path):
+    import tensorflow as tf
+    from scripts import fit_model
+
+    init = fit_model.initial_weights()
+    np.savez(tmp_path / "init.npz", **{f"w{i}": w for i, w in enumerate(init)})
+    with Hosts(2, rate="1gbit") as hosts:
+        results = run_workers(hosts, "fit_worker.py", str(tmp_path / "init.npz"), str(tmp_path))
+    for result in results:
+        assert result.returncode == 0, result.stdout[-3000:]
+        assert "FIXED_FIT: ok" in result.stdout
+    reference, _ = fit_model.train(tf.distribute.get_strategy(), init)
+    for name in ("worker", "loop"):
+        files = [np.load(tmp_path / f"{name}{i}.npz") for i in range(2)]
+        workers = [[f[f"arr_{i}"] for i in range(len(f.files))] for f in files]
+        for a, b in zip(*workers):
+            np.testing.assert_array_equal(a, b)
+        for actual, expected in zip(workers[0], reference):
+            np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_stranger_sending_garbage_to_a_worker_does_not_disturb_training(tmp_path):
+    """TensorFlow's gRPC server listens on every interface (0.0.0.0) whatever TF_CONFIG says,
+    so a host outside the cluster can reach it: garbage bytes are refused by gRPC's framing
+    and training ends with the weights of an undisturbed run."""
+    import tensorflow as tf
+    from scripts import fit_model
+
+    init = fit_model.initial_weights()
+    np.savez(tmp_path / "init.npz", **{f"w{i}": w for i, w in enumerate(init)})
+    noise = ("import os,socket,sys,time\nend=time.time()+float(sys.argv[3]);sent=0\n"
+             "while time.time()<end:\n"
+             "  try:\n    s=socket.create_connection((sys.argv[1],int(sys.argv[2])),1)\n"
+             "    s.sendall(os.urandom(65536)+b'PRI * HTTP/2.0\\r\\n\\r\\nSM\\r\\n\\r\\n'+os.urandom(4096))\n"
+             "    s.close();sent+=1\n  except OSError: pass\n  time.sleep(0.05)\nprint(sent)")
+    with Hosts(2) as hosts:
+        outsider = hosts.stranger()
+        hosts.popen(outsider, [sys.executable, "-c", noise, hosts.addresses[0], "23456", "120"],
+                    stdout=subprocess.DEVNULL)
+        results = run_workers(hosts, "fit_worker.py", str(tmp_path / "init.npz"), str(tmp_path))
+    for result in results:
+        assert result.returncode == 0, result.stdout[-3000:]
+    reference, _ = fit_model.train(tf.distribute.get_strategy(), init)
+    files = [np.load(tmp_path / f"loop{i}.npz") for i in range(2)]
+    for actual, expected in zip([files[0][f"arr_{i}"] for i in range(len(files[0].files))], reference):
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
