@@ -150,12 +150,33 @@ def test_a_stranger_sending_garbage_to_a_worker_does_not_disturb_training(tmp_pa
              "    s.close();sent+=1\n  except OSError: pass\n  time.sleep(0.05)\nprint(sent)")
     with Hosts(2) as hosts:
         outsider = hosts.stranger()
-        hosts.popen(outsider, [sys.executable, "-c", noise, hosts.addresses[0], "23456", "120"],
-                    stdout=subprocess.DEVNULL)
+        attack = hosts.popen(outsider, [sys.executable, "-c", noise, hosts.addresses[0], "23456", "30"],
+                             stdout=subprocess.PIPE, text=True)
         results = run_workers(hosts, "fit_worker.py", str(tmp_path / "init.npz"), str(tmp_path))
+        delivered = int(attack.communicate(timeout=60)[0])
+    assert delivered > 0  # the outsider did reach the worker's port with its garbage
     for result in results:
         assert result.returncode == 0, result.stdout[-3000:]
     reference, _ = fit_model.train(tf.distribute.get_strategy(), init)
     files = [np.load(tmp_path / f"loop{i}.npz") for i in range(2)]
     for actual, expected in zip([files[0][f"arr_{i}"] for i in range(len(files[0].files))], reference):
         np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_200ms_latency_and_1pct_loss_give_the_clean_links_weights(tmp_path):
+    import tensorflow as tf
+    from scripts import fit_model
+
+    init = fit_model.initial_weights()
+    np.savez(tmp_path / "init.npz", **{f"w{i}": w for i, w in enumerate(init)})
+    with Hosts(2, delay="200ms", loss="1%") as hosts:
+        results = run_workers(hosts, "fit_worker.py", str(tmp_path / "init.npz"), str(tmp_path))
+    for result in results:
+        assert result.returncode == 0, result.stdout[-3000:]
+    reference, _ = fit_model.train(tf.distribute.get_strategy(), init)
+    for name in ("worker", "loop"):
+        saved = np.load(tmp_path / f"{name}0.npz")
+        for i, expected in enumerate(reference):
+            np.testing.assert_allclose(saved[f"arr_{i}"], expected, rtol=1e-5, atol=1e-5)
