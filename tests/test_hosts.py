@@ -180,3 +180,49 @@ def test_200ms_latency_and_1pct_loss_give_the_clean_links_weights(tmp_path):
         saved = np.load(tmp_path / f"{name}0.npz")
         for i, expected in enumerate(reference):
             np.testing.assert_allclose(saved[f"arr_{i}"], expected, rtol=1e-5, atol=1e-5)
+
+
+def _train_args(workdir, steps: int = 200) -> list[str]:
+    return ["-m", "tfpar.train", "--config=configs/reverse_tiny.py",
+            "--config.strategy=multi_worker_mirrored", f"--config.train.steps={steps}",
+            "--config.train.checkpoint_every=100", "--config.train.log_every=20",
+            "--config.strategy_args.timeout_s=20", "--config.strategy_args.connect_timeout_s=30",
+            f"--workdir={workdir}"]
+
+
+def _start_binary(hosts: Hosts, workdir, count: int, port: int = 23456) -> list[subprocess.Popen]:
+    return [hosts.popen(i, [sys.executable, *_train_args(workdir)], cwd=REPO,
+                        env=env(TF_CONFIG=_tf_config(hosts.addresses[:count], port, i)),
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for i in range(count)]
+
+
+def _wait_for_file(path, procs, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < end, f"{path} never appeared"
+        assert all(p.poll() is None for p in procs), [p.communicate()[0][-2000:] for p in procs]
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_host_gone_for_good_stops_its_peer_in_time_and_the_rest_resume(tmp_path):
+    with Hosts(2) as hosts:
+        procs = _start_binary(hosts, tmp_path, 2)
+        _wait_for_file(tmp_path / "checkpoints" / "ckpt-100.index", procs, timeout=400)
+        hosts.link(1, up=False)  # host 1 is gone: no reset, no answer, just silence
+        pulled = time.monotonic()
+        out, _ = procs[0].communicate(timeout=120)
+        detected = time.monotonic() - pulled
+        assert procs[0].returncode not in (0, None), out[-2000:]
+        assert detected < 20 + 15, detected  # the collective timeout, plus the step in flight
+        last = [line for line in out.splitlines() if line.startswith("tfpar-train:")]
+        assert last and "stopped answering" in last[-1], out[-2000:]
+        assert "worker 1" in last[-1] or "task:1" in last[-1], last[-1]
+
+        # The remaining host alone: it resumes from the chief's checkpoint at its exact step.
+        alone = _start_binary(hosts, tmp_path, 1)[0]
+        out, _ = alone.communicate(timeout=400)
+    assert alone.returncode == 0, out[-3000:]
+    assert "ckpt-100" in out and (tmp_path / "checkpoints" / "ckpt-200.index").exists()
