@@ -229,3 +229,58 @@ def test_a_host_gone_for_good_stops_its_peer_in_time_and_the_rest_resume(tmp_pat
         out, _ = alone.communicate(timeout=400)
     assert alone.returncode == 0, out[-3000:]
     assert "ckpt-100" in out and (tmp_path / "checkpoints" / "ckpt-200.index").exists()
+
+
+def _checkpoint_values(prefix) -> dict:
+    import tensorflow as tf
+
+    reader = tf.train.load_checkpoint(str(prefix))
+    return {key: reader.get_tensor(key) for key in reader.get_variable_to_shape_map()
+            if "model_weights" in key or "optimizer" in key}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_link_down_for_20s_ends_with_the_uninterrupted_weights(tmp_path):
+    """The cable of host 1 is out for 20 s mid-run. The group either rides through or
+    fails within the collective timeout, naming the peer; restarted (as tfpar-launch
+    --max-restarts does on each node), it resumes and ends with the weights of a run that
+    was never interrupted."""
+    steps = ["--config.train.steps=60", "--config.train.checkpoint_every=20",
+             "--config.train.steps_per_loop=10", "--config.train.log_every=10"]
+
+    def start(hosts, workdir):
+        return [hosts.popen(i, [sys.executable, *_train_args(workdir), *steps], cwd=REPO,
+                            env=env(TF_CONFIG=_tf_config(hosts.addresses, 23456, i)),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                for i in range(2)]
+
+    with Hosts(2) as hosts:
+        for proc in start(hosts, tmp_path / "clean"):
+            out, _ = proc.communicate(timeout=400)
+            assert proc.returncode == 0, out[-2000:]
+
+        cut = tmp_path / "cut"
+        procs = start(hosts, cut)
+        _wait_for_file(cut / "checkpoints" / "ckpt-20.index", procs, timeout=400)
+        hosts.link(1, up=False)
+        pulled = time.monotonic()
+        time.sleep(20)
+        hosts.link(1, up=True)
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+        ended = time.monotonic() - pulled
+        if any(p.returncode for p in procs):  # failed: within the timeout, then a restart
+            assert ended < 20 + 20 + 30, ended
+            failed = [o for p, o in zip(procs, outs) if p.returncode]
+            assert any("stopped answering" in o for o in failed), failed[0][-2000:]
+            for proc in start(hosts, cut):
+                out, _ = proc.communicate(timeout=400)
+                assert proc.returncode == 0, out[-2000:]
+            print(f"link down 20 s: failed {ended:.1f} s after the pull, restarted, resumed")
+        else:
+            print(f"link down 20 s: rode through, ended {ended:.1f} s after the pull")
+    clean, resumed = _checkpoint_values(tmp_path / "clean/checkpoints/ckpt-60"), \
+        _checkpoint_values(cut / "checkpoints" / "ckpt-60")
+    assert clean.keys() == resumed.keys() and clean
+    for key in clean:
+        np.testing.assert_allclose(resumed[key], clean[key], rtol=1e-5, atol=1e-6, err_msg=key)
