@@ -16,6 +16,7 @@ setup(
         "absl-py",
         "ml-collections",
         "tensorflow-datasets",
+        "importlib_resources",  # TFDS's download path (etils.epath) imports it; not declared by TFDS
         "numpy",
         "matplotlib",
         "tensorboard",

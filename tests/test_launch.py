@@ -30,14 +30,22 @@ def test_each_task_gets_its_tf_config_and_prefixed_output():
     assert len(set(addresses)) == 2 and all(a.startswith("127.0.0.1:") for a in addresses)
 
 
-def test_chief_workers_and_ps_jobs():
+def test_chief_workers_and_ps_jobs(tmp_path):
+    """Every task prints its TF_CONFIG; the chief exits (which ends the group) only once
+    the other three have said they printed, however slowly a machine starts processes."""
+    code = (PRINT_TASK + "; import pathlib, time, sys; t = c['task']['type']; "
+            "d = pathlib.Path(os.environ['READY_DIR']); "
+            "(d / f\"{t}{c['task']['index']}\").touch() if t != 'chief' else None; "
+            "deadline = time.monotonic() + 120\n"
+            "while t == 'chief' and len(list(d.iterdir())) < 3 and time.monotonic() < deadline: "
+            "time.sleep(0.05)\n"
+            "time.sleep(0 if t == 'chief' else 300)")
     result = run_python(
-        launch_cmd("--chief", "--workers", "2", "--ps", "1", "--", sys.executable, "-c",
-                   PRINT_TASK + "; import time, sys; t = c['task']['type']; "
-                   "time.sleep(0 if t == 'chief' else 60)"),
-        timeout=60,
+        launch_cmd("--chief", "--workers", "2", "--ps", "1", "--", sys.executable, "-c", code),
+        timeout=180, READY_DIR=str(tmp_path),
     )
-    assert result.returncode == 0, result.stdout
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ps0", "worker0", "worker1"]
     for task in ("[chief:0] TASK chief 0", "[worker:0] TASK worker 0", "[worker:1] TASK worker 1",
                  "[ps:0] TASK ps 0"):
         assert task in result.stdout

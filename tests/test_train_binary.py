@@ -44,28 +44,32 @@ def checkpoint_values(workdir):
 
 
 @pytest.mark.parametrize("mode", ["fit", "loop"])
-def test_resume_continues_from_the_step_with_the_same_weights(tmp_path, mode):
-    """Stopped at step 20 and restarted == uninterrupted, at the step-40 checkpoint."""
+def test_resume_at_an_odd_step_continues_with_the_same_weights(tmp_path, mode):
+    """Stopped at step 23 and restarted == uninterrupted, at the step-45 checkpoint; with
+    steps_per_loop 7 and checkpoint_every 20 every checkpoint lands on its step."""
     def config(steps):
-        c = load_config("reverse_tiny", steps=steps, checkpoint_every=20, log_every=20,
-                        steps_per_loop=10, eval_examples=100)
+        c = load_config("reverse_tiny", steps=steps, checkpoint_every=20, log_every=10,
+                        steps_per_loop=7, eval_examples=100)
         c.optimizer.schedule, c.mode = "constant", mode
         return c
 
-    train_and_evaluate(config(40), str(tmp_path / "straight"))
-    train_and_evaluate(config(20), str(tmp_path / "resumed"))
-    train_and_evaluate(config(40), str(tmp_path / "resumed"))
+    train_and_evaluate(config(45), str(tmp_path / "straight"))
+    train_and_evaluate(config(23), str(tmp_path / "resumed"))
+    train_and_evaluate(config(45), str(tmp_path / "resumed"))
     path_a, a = checkpoint_values(str(tmp_path / "straight"))
     path_b, b = checkpoint_values(str(tmp_path / "resumed"))
-    assert path_a.endswith("ckpt-40") and path_b.endswith("ckpt-40") and a.keys() == b.keys() and a
+    assert path_a.endswith("ckpt-45") and path_b.endswith("ckpt-45") and a.keys() == b.keys() and a
+    steps = lambda workdir: sorted(int(p.rsplit("-", 1)[1].split(".")[0]) for p in  # noqa: E731
+                                   glob.glob(str(tmp_path / workdir / "checkpoints" / "ckpt-*.index")))
+    assert steps("straight") == [20, 40, 45] and steps("resumed") == [23, 40, 45]  # 3 kept
     for name in a:
         np.testing.assert_allclose(b[name], a[name], rtol=1e-6, atol=1e-6, err_msg=name)
 
 
 def test_bad_values_name_their_key():
     config = load_config("gpt_tiny")
-    config.train.steps = 601
-    with pytest.raises(ConfigError, match="config.train.steps: 601 must be a multiple"):
+    config.train.steps = 0
+    with pytest.raises(ConfigError, match="config.train.steps: must be a positive integer, got 0"):
         validate(config)
     config = load_config("gpt_tiny")
     config.model_args.heads = 5

@@ -1,18 +1,25 @@
-"""Keras callbacks of the training binary: progress line, TensorBoard summaries, checkpoints.
+"""The progress line, and Keras `fit` driving tfpar's Controller.
+
+`ProgressLine` formats what a report measured (loss, throughput, bytes on the wire,
+learning rate, ETA). `keras_fit` runs `model.fit` in the runs the Controller plans, with
+one adapter callback (`DriveController`), the one place where Keras's (epoch, batch)
+becomes the global step.
 
 Example:
-    >>> progress = Progress(total_steps=600, start_step=0, units_per_step=4096, unit="tok")
-    >>> model.fit(..., callbacks=[progress, Summaries(writer, progress), Checkpointing(...)])
+    >>> controller = Controller(total_steps=600, steps_per_loop=10, log_every=50,
+    ...                         progress=ProgressLine(600, units_per_step=4096))
+    >>> keras_fit(model, controller, lambda step: distribute_train(..., start_step=step))
 """
 
 from __future__ import annotations
 
 import math
-import sys
 import time
+from typing import Callable
 
 import keras
 import tensorflow as tf
+from absl import logging
 
 
 def _duration(seconds: float) -> str:
@@ -36,163 +43,118 @@ def current_learning_rate(optimizer) -> float:
     return float(tf.convert_to_tensor(value))  # a Keras variable may hold a MirroredVariable
 
 
-class Progress(keras.callbacks.Callback):
-    """Every `log_every` steps: step, loss, throughput, learning rate, ETA (chief only)."""
+class ProgressLine:
+    """`step N/TOTAL | loss | tok/s | wire | lr | ETA`, one line per report.
 
-    def __init__(self, total_steps: int, start_step: int, steps_per_epoch: int, log_every: int,
-                 units_per_step: int, unit: str = "tok", verbose: bool = True, out=None,
-                 wire: dict | None = None):
-        super().__init__()
-        self.wire = wire  # bytes per replica per step and ratio to float32 (None: no all-reduce)
-        self.total_steps, self.step, self.steps_per_epoch = total_steps, start_step, steps_per_epoch
-        self.log_every, self.units_per_step, self.unit = log_every, units_per_step, unit
-        self.verbose, self.out = verbose, out or sys.stdout
-        self.last = {}
-        self.offset = 0  # steps of this epoch done before a restart (set by train.py, until epoch end)
+    Args:
+      total_steps: the run's last step. units_per_step, unit: throughput (e.g. 4096, "tok").
+      learning_rate: `() -> float`, the current learning rate (None: not shown).
+      wire: bytes per replica per step and ratio to float32 (None: nothing all-reduced).
+      say: where the line goes (None: nowhere; the values are still measured).
+    """
 
-    def on_train_begin(self, logs=None):
-        self._t0, self._start = time.perf_counter(), self.step
-        self._window_t, self._window_step = self._t0, self.step
+    def __init__(self, total_steps: int, units_per_step: int = 1, unit: str = "ex",
+                 learning_rate: Callable[[], float] | None = None, wire: dict | None = None,
+                 say: Callable[[str], None] | None = logging.info):
+        self.total_steps, self.units_per_step, self.unit = total_steps, units_per_step, unit
+        self.learning_rate, self.wire, self.say = learning_rate, wire, say
+        self.last: dict = {}
+        self._t0 = self._window_t = None
+        self._first = self._window_step = 0
 
-    def on_epoch_begin(self, epoch, logs=None):
-        self._epoch_start = epoch * self.steps_per_epoch
-        self._mean_at, self._mean = 0, 0.0   # Keras logs the loss averaged since epoch start
+    def start(self, step: int) -> None:
+        self._t0 = self._window_t = time.perf_counter()
+        self._first = self._window_step = step
 
-    def on_epoch_end(self, epoch, logs=None):
-        self.offset = 0
+    def pause_ends(self) -> None:
+        """What ran since the last report was not training (a save, an evaluation): the
+        throughput window restarts here."""
+        self._window_t = time.perf_counter()
 
-    def on_train_batch_end(self, batch, logs=None):
-        # Keras reports the last batch index of each execution (steps_per_execution).
-        self.step = self._epoch_start + batch + 1
-        if self.step % self.log_every == 0 or self.step == self.total_steps:
-            self.report(logs or {})
-
-    def _window_loss(self, epoch_mean: float) -> float:
-        """Mean loss of the steps since the last report, from Keras's running epoch mean."""
-        done = self.step - self._epoch_start - self.offset  # the steps Keras's mean covers
-        window = (epoch_mean * done - self._mean * self._mean_at) / max(done - self._mean_at, 1)
-        self._mean_at, self._mean = done, epoch_mean
-        return window
-
-    def report(self, logs):
+    def report(self, step: int, loss: float) -> dict:
+        """Measures the window since the last report; prints the line; returns the values."""
+        if self._t0 is None:
+            self.start(step)
         now = time.perf_counter()
-        steps = self.step - self._window_step
-        rate = steps * self.units_per_step / max(now - self._window_t, 1e-9)
-        per_step = (now - self._t0) / max(self.step - self._start, 1)
-        eta = per_step * (self.total_steps - self.step)
-        self.last = {"step": self.step, "loss": self._window_loss(float(logs.get("loss", "nan"))),
-                     f"{self.unit}_per_s": rate,
-                     "learning_rate": current_learning_rate(self.model.optimizer)}
+        seconds, steps = max(now - self._window_t, 1e-9), step - self._window_step
+        rate = steps * self.units_per_step / seconds
+        per_step = (now - self._t0) / max(step - self._first, 1)
+        values = {"step": step, "loss": loss, f"{self.unit}_per_s": rate}
+        if self.learning_rate is not None:
+            values["learning_rate"] = self.learning_rate()
         wire = ""
         if self.wire:
-            per_s = self.wire["bytes_per_step"] * steps / max(now - self._window_t, 1e-9)
-            self.last.update(wire_bytes_per_s=per_s, compression_ratio=self.wire["ratio"])
-            wire = f" | wire {_size(per_s)}/s ({self.wire['ratio']:.0f}x)"
-        self._window_t, self._window_step = now, self.step
-        if self.verbose:
-            width = len(str(self.total_steps))
-            print(f"step {self.step:>{width}}/{self.total_steps} | loss {self.last['loss']:.4f} | "
-                  f"{rate:,.0f} {self.unit}/s{wire} | lr {self.last['learning_rate']:.2e} | "
-                  f"ETA {_duration(eta)}", file=self.out, flush=True)
+            values.update(wire_bytes_per_s=self.wire["bytes_per_step"] * steps / seconds,
+                          compression_ratio=self.wire["ratio"])
+            wire = f" | wire {_size(values['wire_bytes_per_s'])}/s ({self.wire['ratio']:.0f}x)"
+        self.last, self._window_t, self._window_step = values, now, step
+        if self.say is not None:
+            lr = f" | lr {values['learning_rate']:.2e}" if "learning_rate" in values else ""
+            self.say(f"step {step:>{len(str(self.total_steps))}}/{self.total_steps} | loss {loss:.4f} | "
+                     f"{rate:,.0f} {self.unit}/s{wire}{lr} | "
+                     f"ETA {_duration(per_step * (self.total_steps - step))}")
+        return values
 
 
-class Summaries(keras.callbacks.Callback):
-    """Writes what Progress measured to TensorBoard at each report."""
+class DriveController(keras.callbacks.Callback):
+    """Keras fit -> Controller: the one place (epoch, batch) becomes the global step.
 
-    def __init__(self, writer, progress: Progress):
-        super().__init__()
-        self.writer, self.progress, self._written = writer, progress, -1
-
-    def on_train_batch_end(self, batch, logs=None):
-        last = self.progress.last
-        if last and last["step"] != self._written:
-            with self.writer.as_default(step=last["step"]):
-                tf.summary.scalar("train/loss", last["loss"])
-                tf.summary.scalar("train/learning_rate", last["learning_rate"])
-                tf.summary.scalar(f"train/{self.progress.unit}_per_s", last[f"{self.progress.unit}_per_s"])
-                if "wire_bytes_per_s" in last:
-                    tf.summary.scalar("train/wire_bytes_per_s", last["wire_bytes_per_s"])
-                    tf.summary.scalar("train/compression_ratio", last["compression_ratio"])
-            self._written = last["step"]
-
-    def on_train_end(self, logs=None):
-        self.writer.flush()
-
-
-class StepCallback(keras.callbacks.Callback):
-    """Base: knows the run's step at each batch end (epoch * steps_per_epoch + batch + 1)."""
-
-    def __init__(self, steps_per_epoch: int):
-        super().__init__()
-        self.steps_per_epoch, self._epoch = steps_per_epoch, 0
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
-
-    def step(self, batch: int) -> int:
-        return self._epoch * self.steps_per_epoch + batch + 1
-
-
-class StopOnNonFinite(StepCallback):
-    """Keras fit: raises NonFiniteError as soon as the logged loss is NaN or Inf, before
-    Checkpointing (later in the list) could save the broken state.
-
-    Keras's own TerminateOnNaN stops quietly; this names the step and the fix.
+    Keras reports the last batch index of each execution (`steps_per_execution` steps)
+    and the loss averaged since the epoch began; this turns both into "n more steps, with
+    this mean loss" for `controller.after_steps`.
     """
 
-    def on_train_batch_end(self, batch, logs=None):
-        loss = (logs or {}).get("loss")
-        if loss is not None and not math.isfinite(float(loss)):
-            from tfpar.errors import NonFiniteError
-
-            raise NonFiniteError.at(
-                f"{self.step(batch)} (or one of the steps_per_loop steps before it)",
-                f"the loss is {float(loss)}", "optimizer.clip_norm",
-                "train with --config.mode=loop --config.train.nonfinite=skip")
-
-
-class Checkpointing(keras.callbacks.Callback):
-    """Saves a checkpoint at the end of every epoch (= every checkpoint_every steps)."""
-
-    def __init__(self, checkpoints, steps_per_epoch: int, say=print):
+    def __init__(self, controller, first_step: int, steps_per_epoch: int):
         super().__init__()
-        self.checkpoints, self.steps_per_epoch, self.say = checkpoints, steps_per_epoch, say
-
-    def on_epoch_end(self, epoch, logs=None):
-        step = (epoch + 1) * self.steps_per_epoch
-        path = self.checkpoints.save(step)
-        if path:
-            self.say(f"checkpoint: {path}")
-
-
-class Shifted(keras.callbacks.Callback):
-    """Runs `callback` in a fit call that finishes an epoch begun before a restart: this
-    call's epoch 0, batch b are the run's epoch `epoch`, batch `offset + b`.
-
-    Example:
-        >>> model.fit(data, epochs=1, steps_per_epoch=spe - offset,
-        ...           callbacks=[Shifted(c, epoch, offset) for c in callbacks])
-    """
-
-    def __init__(self, callback: keras.callbacks.Callback, epoch: int, offset: int):
-        super().__init__()
-        self.callback, self.epoch, self.offset = callback, epoch, offset
-
-    def set_model(self, model):
-        super().set_model(model)
-        self.callback.set_model(model)
-
-    def on_train_begin(self, logs=None):
-        self.callback.on_train_begin(logs)
+        self.controller, self.first_step, self.steps_per_epoch = controller, first_step, steps_per_epoch
+        self._epoch, self._done, self._mean = 0, 0, 0.0
 
     def on_epoch_begin(self, epoch, logs=None):
-        self.callback.on_epoch_begin(self.epoch, logs)
+        self._epoch, self._done, self._mean = epoch, 0, 0.0  # Keras resets its mean here
 
     def on_train_batch_end(self, batch, logs=None):
-        self.callback.on_train_batch_end(self.offset + batch, logs)
+        done, mean = batch + 1, float((logs or {}).get("loss", "nan"))
+        step = self.first_step + self._epoch * self.steps_per_epoch + done
+        loss = (mean * done - self._mean * self._done) / max(done - self._done, 1)
+        self._done, self._mean = done, mean
+        self.controller.after_steps(step - self.controller.step, loss)
 
-    def on_epoch_end(self, epoch, logs=None):
-        self.callback.on_epoch_end(self.epoch, logs)
 
-    def on_train_end(self, logs=None):
-        self.callback.on_train_end(logs)
+def _runs(sizes: list[int]) -> list[tuple[int, int]]:
+    """[7, 7, 4, 7] -> [(7, 2), (4, 1), (7, 1)]: consecutive runs of equal size."""
+    runs: list[tuple[int, int]] = []
+    for size in sizes:
+        if runs and runs[-1][0] == size:
+            runs[-1] = (size, runs[-1][1] + 1)
+        else:
+            runs.append((size, 1))
+    return runs
+
+
+def _use_execution_size(model: keras.Model, size: int, functions: dict) -> None:
+    """Sets Keras's steps_per_execution to `size`, keeping one traced train function per
+    size (Keras traces its loop for a fixed number of steps; `fit` reuses a set one)."""
+    if model.steps_per_execution == size:
+        return
+    functions[model.steps_per_execution] = model.train_function
+    model.steps_per_execution = size
+    model.train_function = functions.get(size)
+
+
+def keras_fit(model: keras.Model, controller, dataset_at: Callable[[int], object]) -> None:
+    """Trains with `model.fit` from `controller.step` to the end, in the controller's runs.
+
+    Every stretch of equal-sized runs is one `fit` call of one epoch whose execution is
+    that size; `dataset_at(step)` gives the data from that step on (exact resume).
+    """
+    functions: dict = {}
+    compiled = model.steps_per_execution
+    controller.begin()
+    try:
+        for size, count in _runs(controller.plan()):
+            _use_execution_size(model, size, functions)
+            first = controller.step
+            model.fit(dataset_at(first), epochs=1, steps_per_epoch=size * count, verbose=0, shuffle=False,
+                      callbacks=[DriveController(controller, first, size * count)])
+    finally:
+        _use_execution_size(model, compiled, functions)

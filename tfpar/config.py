@@ -51,14 +51,15 @@ def base_config() -> ml_collections.ConfigDict:
         skip="",                # regexes (comma-separated) replacing the default skip list
         reset_on_restore=False))  # True: error-feedback state is not checkpointed
     c.seed = 0
-    c.model = "gpt"                     # gpt | encoder | vit
+    c.model = "gpt"                     # a name of tfpar.models.MODELS: gpt | encoder | vit
     c.model_args = ml_collections.ConfigDict(dict(dim=128, depth=2, heads=4, mlp_ratio=4, dropout=0.0))
     c.data = ml_collections.ConfigDict(dict(
-        name="corpus", files="", seq_len=128, data_dir="", augment=False))
+        name="corpus", files="", seq_len=128, data_dir="", augment=False))  # names: tfpar.data.NAMES
     c.train = ml_collections.ConfigDict(dict(
         steps=600, batch_size=32, steps_per_loop=10, log_every=50, checkpoint_every=200,
+        eval_every=0,                   # evaluate every N steps during training (0: at the end only)
         eval_batch_size=64, eval_examples=0, xla=True,
-        nonfinite="stop"))             # NaN/Inf gradients: stop (name the step) | skip (loop) | ignore
+        nonfinite="stop"))             # tfpar.loop.nonfinite.POLICIES: stop (name the step) | skip (loop) | ignore
     c.optimizer = ml_collections.ConfigDict(dict(
         name="adamw", learning_rate=3e-3, warmup_steps=60, schedule="cosine", min_lr_ratio=0.1,
         weight_decay=0.01, momentum=0.9, beta_2=0.98, clip_norm=1.0, label_smoothing=0.0))
@@ -79,8 +80,26 @@ def _require(ok: bool, key: str, message: str) -> None:
 
 def validate(config) -> None:
     """Raises ConfigError naming the first key whose value cannot work."""
-    from tfpar.models import MODELS
-    from tfpar.recipes import OPTIMIZERS
+    _validate_run(config)
+    from tfpar.compression import COMPRESSORS
+
+    _require(config.compression in COMPRESSORS, "compression",
+             f"{config.compression!r} is not one of {', '.join(COMPRESSORS)}.")
+    ca = config.compression_args
+    _require(0 < ca.ratio <= 1, "compression_args.ratio", f"must be in (0, 1], got {ca.ratio}.")
+    _require(ca.rank >= 1, "compression_args.rank", f"must be >= 1, got {ca.rank}.")
+    _require(ca.min_size >= 0 and ca.warmup_steps >= 0, "compression_args.min_size",
+             "min_size and warmup_steps must be >= 0.")
+    _require(not (ca.warmup_steps and config.mode == "fit"), "compression_args.warmup_steps",
+             "warm-up steps need --config.mode=loop (Keras fit traces one train step).")
+    _validate_model(config)
+    _validate_data(config)
+    _validate_train(config)
+    _validate_optimizer(config.optimizer)
+
+
+def _validate_run(config) -> None:
+    """mode, strategy, strategy_args, precision."""
     from tfpar.strategy.factory import normalize_name
 
     _require(config.mode in MODES, "mode", f"{config.mode!r} is not one of {', '.join(MODES)}.")
@@ -95,17 +114,11 @@ def validate(config) -> None:
              "set partition_shards or partition_min_bytes, not both.")
     _require(config.precision in PRECISIONS, "precision",
              f"{config.precision!r} is not one of {', '.join(PRECISIONS)}.")
-    from tfpar.compression import COMPRESSORS
 
-    _require(config.compression in COMPRESSORS, "compression",
-             f"{config.compression!r} is not one of {', '.join(COMPRESSORS)}.")
-    ca = config.compression_args
-    _require(0 < ca.ratio <= 1, "compression_args.ratio", f"must be in (0, 1], got {ca.ratio}.")
-    _require(ca.rank >= 1, "compression_args.rank", f"must be >= 1, got {ca.rank}.")
-    _require(ca.min_size >= 0 and ca.warmup_steps >= 0, "compression_args.min_size",
-             "min_size and warmup_steps must be >= 0.")
-    _require(not (ca.warmup_steps and config.mode == "fit"), "compression_args.warmup_steps",
-             "warm-up steps need --config.mode=loop (Keras fit traces one train step).")
+
+def _validate_model(config) -> None:
+    from tfpar.models import MODELS
+
     _require(config.model in MODELS, "model", f"{config.model!r} is not one of {', '.join(MODELS)}.")
     fields = _model_fields(config.model)
     for key in config.model_args:
@@ -117,26 +130,39 @@ def validate(config) -> None:
     if "dim" in config.model_args and "heads" in config.model_args:
         _require(config.model_args.dim % config.model_args.heads == 0, "model_args.heads",
                  f"dim {config.model_args.dim} is not divisible by heads {config.model_args.heads}.")
-    name = config.data.name
-    _require(name in ("corpus", "task:reverse", "task:majority") or name.startswith("tfds:"),
-             "data.name", f"{name!r}: use 'corpus', 'task:reverse', 'task:majority' or 'tfds:NAME[:CONFIG]'.")
+
+
+def _validate_data(config) -> None:
+    from tfpar.data import check_name
+    from tfpar.errors import DataError
+
+    try:
+        check_name(config.data.name)
+    except DataError as e:
+        raise ConfigError(f"config.data.name: {e}") from None
     _require(config.data.seq_len > 1, "data.seq_len", "must be at least 2.")
+
+
+def _validate_train(config) -> None:
+    """Any steps and intervals work together: the controller cuts runs at every interval."""
+    from tfpar.loop.nonfinite import POLICIES
+
     t = config.train
     for key in ("steps", "batch_size", "steps_per_loop", "log_every", "checkpoint_every", "eval_batch_size"):
         _require(isinstance(t[key], int) and t[key] > 0, f"train.{key}", f"must be a positive integer, got {t[key]!r}.")
+    _require(isinstance(t.eval_every, int) and t.eval_every >= 0, "train.eval_every",
+             f"must be an integer >= 0 (0: evaluate at the end only), got {t.eval_every!r}.")
     _require(t.eval_examples >= 0, "train.eval_examples", "must be >= 0 (0 evaluates them all).")
-    _require(t.checkpoint_every % t.steps_per_loop == 0, "train.checkpoint_every",
-             f"{t.checkpoint_every} must be a multiple of train.steps_per_loop ({t.steps_per_loop}).")
-    _require(t.steps % t.checkpoint_every == 0, "train.steps",
-             f"{t.steps} must be a multiple of train.checkpoint_every ({t.checkpoint_every}).")
-    _require(t.nonfinite in ("stop", "skip", "ignore"), "train.nonfinite",
-             f"{t.nonfinite!r} is not one of stop, skip, ignore.")
+    _require(t.nonfinite in POLICIES, "train.nonfinite",
+             f"{t.nonfinite!r} is not one of {', '.join(POLICIES)}.")
     _require(not (t.nonfinite == "skip" and config.mode == "fit"), "train.nonfinite",
              "skip needs tfpar's loop (Keras fit cannot skip one update): add --config.mode=loop, "
              "or use stop.")
-    _require(t.log_every % t.steps_per_loop == 0, "train.log_every",
-             f"{t.log_every} must be a multiple of train.steps_per_loop ({t.steps_per_loop}).")
-    o = config.optimizer
+
+
+def _validate_optimizer(o) -> None:
+    from tfpar.recipes import OPTIMIZERS
+
     _require(o.name in OPTIMIZERS, "optimizer.name", f"{o.name!r} is not one of {', '.join(OPTIMIZERS)}.")
     _require(o.learning_rate > 0, "optimizer.learning_rate", "must be positive.")
     _require(o.schedule in SCHEDULES, "optimizer.schedule", f"{o.schedule!r} is not one of {', '.join(SCHEDULES)}.")
@@ -146,9 +172,11 @@ def validate(config) -> None:
 
 
 def _model_fields(model: str) -> set[str]:
-    from tfpar.models.encoder import EncoderConfig
-    from tfpar.models.gpt import GPTConfig
-    from tfpar.models.vit import ViTConfig
+    """The keyword arguments of the model class (its config fields)."""
+    import inspect
 
-    config_class = {"gpt": GPTConfig, "encoder": EncoderConfig, "vit": ViTConfig}[model]
-    return {f.name for f in dataclasses.fields(config_class)}
+    from tfpar.models import MODELS
+
+    parameters = inspect.signature(MODELS[model].__init__).parameters.items()
+    return {name for name, p in parameters if name not in ("self", "name")
+            and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}

@@ -11,11 +11,11 @@ TensorFlow's own PreemptionCheckpointHandler does the same for multi_worker_mirr
 TPUs, but numbers its checkpoints by its own counter and saves inside its call; this watch
 works under every synchronous strategy (one device, mirrored, multi-worker, TPU) with the
 binary's own checkpoints. Parameter-server clusters do not need it: a worker that dies is
-restarted while the chief goes on, and the chief checkpoints between epochs.
+restarted while the chief goes on, and the chief checkpoints every checkpoint_every steps.
 
 Example:
     >>> watch = PreemptionWatch(strategy)           # installs the SIGTERM handler
-    >>> callbacks = [SaveOnPreemption(watch, checkpoints, steps_per_epoch=200), ...]
+    >>> Controller(..., checkpoints=checkpoints, preemption=watch)   # saves, raises Preempted
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ from __future__ import annotations
 import signal
 
 import tensorflow as tf
-
-from tfpar.callbacks import StepCallback
 
 EXIT_PREEMPTED = 75
 
@@ -55,24 +53,7 @@ class PreemptionWatch:
 
     def agreed(self) -> bool:
         """True when any worker was signalled: one small all-reduce, so every worker must
-        call it at the same point (the callback below does, after every training call)."""
+        call it at the same point (tfpar.controller.Controller does, after every run of steps)."""
         if self.strategy.num_replicas_in_sync == 1:  # one process, one replica
             return self.signalled
         return float(self._any(tf.constant(float(self.signalled)))) > 0
-
-
-class SaveOnPreemption(StepCallback):
-    """On agreement, saves a checkpoint at the current step on every worker, then raises
-    Preempted (exit code 75). Put it before callbacks that could save a later state."""
-
-    def __init__(self, watch: PreemptionWatch, checkpoints, steps_per_epoch: int, say=print):
-        super().__init__(steps_per_epoch)
-        self.watch, self.checkpoints, self.say = watch, checkpoints, say
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.watch.agreed():
-            step = self.step(batch)
-            path = self.checkpoints.save(step)
-            self.say(f"preempted: saved step {step}{f' to {path}' if path else ''}; exiting with "
-                     f"code {EXIT_PREEMPTED} (tfpar-launch --max-restarts resumes the run).")
-            raise Preempted(step)

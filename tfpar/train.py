@@ -16,13 +16,13 @@ group, which resumes there. NaN/Inf gradients stop the run naming the step
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 import tempfile
 import time
-
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up chatter
+from typing import Any, Callable
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -32,6 +32,8 @@ from tfpar.errors import TfparError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, summaries and results.")
+_VERBOSE = flags.DEFINE_bool("verbose", False, "Show TensorFlow's C++ start-up lines (oneDNN, CUDA "
+                             "probes) and tfpar's info logs.")
 
 
 def _say(message: str) -> None:
@@ -40,6 +42,9 @@ def _say(message: str) -> None:
 
 def check_workdir(workdir: str) -> None:
     """Creates `workdir` and proves it is writable, before anything expensive."""
+    if os.path.isfile(workdir):
+        raise ConfigError(f"--workdir={workdir} is a file, not a directory. Pass a directory "
+                          "(it is created if missing), e.g. --workdir=/tmp/tfpar_run.")
     try:
         os.makedirs(workdir, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=workdir, prefix=".write_test_"):
@@ -49,6 +54,29 @@ def check_workdir(workdir: str) -> None:
             f"--workdir={workdir} is not writable ({e.strerror}). Pick a directory you can write "
             "to, or fix its permissions / free space."
         ) from None
+
+
+def import_tensorflow_quietly() -> None:
+    """Loads TensorFlow without its C++ start-up lines (the oneDNN notice, CUDA probes such
+    as "failed call to cuInit" on a CPU-only machine), which it writes to stderr before
+    any log level applies. Lines of a failed import are shown."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # later C++ logs (cuInit) as well
+    if "tensorflow" in sys.modules:
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            import tensorflow  # noqa: F401  pylint: disable=unused-import,import-outside-toplevel
+        except BaseException:
+            os.dup2(saved, 2)
+            sink.seek(0)
+            sys.stderr.write(sink.read().decode(errors="replace"))
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def _create_strategy(config):
@@ -93,23 +121,42 @@ def _wire_bytes(info, model, compression, trainer, train_data, asynchronous) -> 
     return {"bytes_per_step": sent, "fp32_bytes_per_step": dense, "ratio": dense / sent}
 
 
-def train_and_evaluate(config, workdir: str) -> dict:
-    """Trains with Keras fit under the configured strategy; returns the final results."""
+@dataclasses.dataclass
+class _Run:
+    """What the steps of one training run share."""
+
+    config: Any
+    workdir: str
+    strategy: Any
+    info: Any
+    splits: Any
+    say: Callable[[str], None]
+    asynchronous: bool
+    model: Any = None
+    optimizer: Any = None
+    compression: Any = None
+    trainer: Any = None
+    checkpoints: Any = None
+    augment: Any = None
+    eval_data: Any = None
+
+    @property
+    def corpus(self) -> bool:
+        return self.splits.info["kind"] == "lm" and self.config.data.name == "corpus"
+
+    @property
+    def unit(self) -> str:
+        return "tok" if self.corpus else "ex"
+
+
+def _setup(config, workdir: str) -> _Run:
+    """Strategy first (before anything touches TensorFlow), then the checks and the data."""
     import keras
-    import tensorflow as tf
 
     import tfpar
-    from tfpar import callbacks as cb
     from tfpar import data as data_lib
-    from tfpar import preemption
-    from tfpar import recipes
-    from tfpar.checkpoints import Checkpoints
-    from tfpar.compression import compress_fit
-    from tfpar.evaluation import evaluate
-    from tfpar.loop import Trainer
-    from tfpar.sampling import generate
 
-    strategy = _create_strategy(config)  # first: before anything touches TensorFlow
+    strategy = _create_strategy(config)
     info = tfpar.describe(strategy)
     say = _say if info.is_chief else (lambda message: None)
     say(f"tfpar: {info.kind}, {info.replicas} replica(s), {info.num_workers} worker(s); "
@@ -117,10 +164,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     if config.precision != "float32":
         keras.mixed_precision.set_global_policy(config.precision)
     keras.utils.set_random_seed(config.seed)
-
     asynchronous = info.kind == "parameter_server"
-    # ps: a dead worker is restarted while the chief goes on; no coordinated save needed
-    watch = None if asynchronous else preemption.PreemptionWatch(strategy)
     if asynchronous and config.mode != "loop":
         raise ConfigError("config.mode: parameter_server trains with tfpar's own loop (Keras fit "
                           "does not support it, keras#18624). Add --config.mode=loop.")
@@ -130,123 +174,197 @@ def train_and_evaluate(config, workdir: str) -> dict:
         data_lib.per_replica_batch_size(t.eval_batch_size, info.replicas)
     splits = data_lib.load(config.data.name, seq_len=config.data.seq_len, files=config.data.files or None,
                            data_dir=config.data.data_dir or None, seed=config.seed)
-    with strategy.scope():
-        model = recipes.build_model(config, splits.info)
-        optimizer = recipes.build_optimizer(config.optimizer, t.steps)
-        model.compile(optimizer=optimizer,
+    return _Run(config, workdir, strategy, info, splits, say, asynchronous)
+
+
+def _build(run: _Run) -> None:
+    """Model, optimizer, compression, Trainer (loop mode) and checkpoints, restored."""
+    from tfpar import recipes
+    from tfpar.checkpoints import Checkpoints
+    from tfpar.compression import compress_fit
+    from tfpar.loop import Trainer
+
+    config, t = run.config, run.config.train
+    with run.strategy.scope():
+        model = recipes.build_model(config, run.splits.info)
+        model.compile(optimizer=recipes.build_optimizer(config.optimizer, t.steps),
                       loss=recipes.SmoothedSparseCrossentropy(config.optimizer.label_smoothing),
                       steps_per_execution=t.steps_per_loop, jit_compile=t.xla)
         optimizer = model.optimizer  # fp16: Keras wrapped it in a LossScaleOptimizer
         optimizer.build(model.trainable_variables)
-        compression = _compression(config, asynchronous)
+        compression = _compression(config, run.asynchronous)
         if compression is not None and config.mode == "fit":
             compress_fit(model, compression)
-    trainer = None
     if config.mode == "loop":
-        trainer = Trainer(model, optimizer, model.loss, strategy, steps_per_loop=t.steps_per_loop,
-                          compression=compression, nonfinite=t.nonfinite,
-                          xla=None if t.xla else False)
+        run.trainer = Trainer(model, optimizer, model.loss, run.strategy, steps_per_loop=t.steps_per_loop,
+                              compression=compression, nonfinite=t.nonfinite,
+                              xla=None if t.xla else False)
     state = compression.checkpoint_items() if compression is not None else {}
-    checkpoints = Checkpoints(workdir, info.is_chief, model=model, optimizer=optimizer, **state)
-    say(f"model: {model.name}, {model.count_params():,} parameters, stages: "
-        f"{', '.join(name for name, _ in model.stages())}")
+    run.checkpoints = Checkpoints(run.workdir, run.info.is_chief, model=model, optimizer=optimizer, **state)
+    run.model, run.optimizer, run.compression = model, optimizer, compression
+    run.say(f"model: {model.name}, {model.count_params():,} parameters, stages: "
+            f"{', '.join(name for name, _ in model.stages())}")
+    if config.data.augment and run.splits.info.get("kind") == "image":
+        run.augment = recipes.image_augmentation(run.splits.info["image_size"])
 
-    start = checkpoints.restore()
-    if start:
-        say(f"resuming from step {start} ({checkpoints.latest})")
-    augment = None
-    if config.data.augment and splits.info.get("kind") == "image":
-        augment = recipes.image_augmentation(splits.info["image_size"])
-    if asynchronous:  # each worker reads its own order; the weights and step are resumed
-        train_data = trainer.per_worker_dataset(
-            data_lib.worker_train_fn(splits.train, t.batch_size, augment))
-    else:
-        train_data = data_lib.distribute_train(strategy, splits.train, t.batch_size,
-                                               start_step=start, augment=augment)
 
-    lm = splits.info["kind"] == "lm"
-    units = t.batch_size * (config.data.seq_len if lm and config.data.name == "corpus" else 1)
-    unit = "tok" if lm and config.data.name == "corpus" else "ex"
-    summary_dir = os.path.join(workdir, "tensorboard") if info.is_chief else tempfile.mkdtemp()
-    writer = tf.summary.create_file_writer(summary_dir)
-    wire = _wire_bytes(info, model, compression, trainer, train_data, asynchronous)
-    if wire:
-        say(f"wire: {wire['bytes_per_step']:,} bytes per replica per step, "
-            f"{wire['ratio']:.1f}x fewer than float32 ({config.compression})")
-    progress = cb.Progress(t.steps, start, t.checkpoint_every, t.log_every, units, unit,
-                           verbose=info.is_chief, wire=wire)
-    callbacks = [progress, cb.Summaries(writer, progress), cb.Checkpointing(checkpoints, t.checkpoint_every, say)]
-    if watch is not None:  # before anything that could save or log a later step
-        callbacks.insert(0, preemption.SaveOnPreemption(watch, checkpoints, t.checkpoint_every, _say))
-    if trainer is None and t.nonfinite == "stop":  # the loop checks its gradients itself
-        callbacks.insert(0, cb.StopOnNonFinite(t.checkpoint_every))
-    started = time.perf_counter()
-    epoch, done_in_epoch = divmod(start, t.checkpoint_every)  # mid-epoch after a preemption
-    progress.offset = done_in_epoch
-    if start < t.steps and trainer is not None:
-        trainer.fit(train_data, t.steps, start_step=start, steps_per_epoch=t.checkpoint_every,
-                    callbacks=callbacks)
-    elif start < t.steps:
-        if done_in_epoch:  # finish the epoch the preemption cut, then go on from its end
-            model.fit(train_data, epochs=1, steps_per_epoch=t.checkpoint_every - done_in_epoch,
-                      verbose=0, callbacks=[cb.Shifted(c, epoch, done_in_epoch) for c in callbacks])
-            epoch += 1
-            train_data = data_lib.distribute_train(strategy, splits.train, t.batch_size,
-                                                   start_step=epoch * t.checkpoint_every, augment=augment)
-        if epoch < t.steps // t.checkpoint_every:
-            model.fit(train_data, epochs=t.steps // t.checkpoint_every, initial_epoch=epoch,
-                      steps_per_epoch=t.checkpoint_every, verbose=0, callbacks=callbacks)
-    train_seconds = time.perf_counter() - started
+def _train_data(run: _Run, step: int):
+    """The training data from `step` on (parameter_server: each worker its own order)."""
+    from tfpar import data as data_lib
 
-    # parameter_server: the chief evaluates on its own, reading the variables from the ps.
-    eval_strategy = tf.distribute.get_strategy() if asynchronous else strategy
-    eval_data, eval_steps = data_lib.distribute_eval(eval_strategy, splits.validation,
-                                                     t.eval_batch_size, limit=t.eval_examples)
-    if trainer is not None:
-        results = trainer.evaluate(eval_data, eval_steps)
-    else:
-        results = evaluate(model, eval_strategy, eval_data, eval_steps, xla=t.xla)
+    t = run.config.train
+    if run.asynchronous:  # the weights and step are resumed, the order is new
+        return run.trainer.per_worker_dataset(
+            data_lib.worker_train_fn(run.splits.train, t.batch_size, run.augment))
+    return data_lib.distribute_train(run.strategy, run.splits.train, t.batch_size,
+                                     start_step=step, augment=run.augment)
+
+
+def _evaluate(run: _Run) -> dict:
+    """Exact eval over the validation set (parameter_server: the chief alone)."""
+    import tensorflow as tf
+
+    from tfpar import data as data_lib
+    from tfpar.evaluation import evaluate
+
+    eval_strategy = tf.distribute.get_strategy() if run.asynchronous else run.strategy
+    if run.eval_data is None:
+        t = run.config.train
+        run.eval_data = data_lib.distribute_eval(eval_strategy, run.splits.validation,
+                                                 t.eval_batch_size, limit=t.eval_examples)
+    data, steps = run.eval_data
+    if run.trainer is not None:
+        return run.trainer.evaluate(data, steps)
+    return evaluate(run.model, eval_strategy, data, steps, xla=run.config.train.xla)
+
+
+def _controller(run: _Run, start: int, wire: dict | None, writer):
+    from tfpar import preemption
+    from tfpar.callbacks import ProgressLine, current_learning_rate
+    from tfpar.controller import Controller
+
+    t = run.config.train
+    units = t.batch_size * (run.config.data.seq_len if run.corpus else 1)
+    progress = ProgressLine(t.steps, units, run.unit, lambda: current_learning_rate(run.optimizer),
+                            wire, say=run.say if run.info.is_chief else None)
+    # ps: a dead worker is restarted while the chief goes on; no coordinated save needed
+    watch = None if run.asynchronous else preemption.PreemptionWatch(run.strategy)
+    return Controller(
+        total_steps=t.steps, steps_per_loop=t.steps_per_loop, start_step=start,
+        log_every=t.log_every, eval_every=t.eval_every, checkpoint_every=t.checkpoint_every,
+        checkpoints=run.checkpoints, progress=progress, writer=writer,
+        evaluate=lambda: _evaluate(run), preemption=watch, say=run.say, say_everywhere=_say,
+        stop_on_nonfinite=run.trainer is None and t.nonfinite == "stop")  # the loop checks itself
+
+
+def _summary_writer(run: _Run):
+    import tensorflow as tf
+
+    directory = os.path.join(run.workdir, "tensorboard") if run.info.is_chief else tempfile.mkdtemp()
+    return tf.summary.create_file_writer(directory)
+
+
+def _results(run: _Run, train_seconds: float, progress_last: dict, wire: dict | None, writer) -> dict:
+    """The final eval, written to TensorBoard, results.json and the output."""
+    import tensorflow as tf
+
+    from tfpar import data as data_lib
+
+    t, unit = run.config.train, run.unit
+    results = _evaluate(run)
     results.update(step=t.steps, train_seconds=train_seconds,
-                   throughput=progress.last.get(f"{unit}_per_s"), throughput_unit=f"{unit}/s")
+                   throughput=progress_last.get(f"{unit}_per_s"), throughput_unit=f"{unit}/s")
     if wire:
-        results.update(compression=config.compression, wire_bytes_per_step=wire["bytes_per_step"],
+        results.update(compression=run.config.compression, wire_bytes_per_step=wire["bytes_per_step"],
                        compression_ratio=wire["ratio"])
-    if lm and config.data.name == "corpus":
-        results["unigram_baseline"] = data_lib.unigram_entropy(splits.validation)
+    if run.corpus:
+        results["unigram_baseline"] = data_lib.unigram_entropy(run.splits.validation)
     with writer.as_default(step=t.steps):
         for key in ("loss", "perplexity", "accuracy", "exact"):
             tf.summary.scalar(f"eval/{key}", results[key])
     writer.flush()
-    say("eval: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
-                             for k, v in results.items()))
-
-    if lm and config.data.name == "corpus" and config.sample.length > 0:
-        sample = generate(model, config.sample.prompt, config.sample.length, config.data.seq_len,
-                          config.sample.temperature, seed=config.seed)
-        say("sample:\n" + sample)
-        if info.is_chief:
-            with open(os.path.join(workdir, "sample.txt"), "w", encoding="utf-8") as f:
-                f.write(sample)
-    if info.is_chief:
-        with open(os.path.join(workdir, "results.json"), "w", encoding="utf-8") as f:
+    run.say("eval: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                                 for k, v in results.items()))
+    if run.info.is_chief:
+        with open(os.path.join(run.workdir, "results.json"), "w", encoding="utf-8") as f:
             json.dump(results, f, indent=2)
     return results
+
+
+def _sample(run: _Run) -> None:
+    from tfpar.sampling import generate
+
+    s = run.config.sample
+    if not run.corpus or s.length <= 0:
+        return
+    text = generate(run.model, s.prompt, s.length, run.config.data.seq_len, s.temperature,
+                    seed=run.config.seed)
+    run.say("sample:\n" + text)
+    if run.info.is_chief:
+        with open(os.path.join(run.workdir, "sample.txt"), "w", encoding="utf-8") as f:
+            f.write(text)
+
+
+def train_and_evaluate(config, workdir: str) -> dict:
+    """Trains (Keras fit or tfpar's loop) under the configured strategy, resuming from the
+    newest checkpoint in `workdir`; returns the final eval results.
+
+    Example:
+        >>> train_and_evaluate(runpy.run_path("configs/gpt_tiny.py")["get_config"](), "/tmp/run")
+    """
+    from tfpar.callbacks import keras_fit
+
+    run = _setup(config, workdir)
+    _build(run)
+    start = run.checkpoints.restore()
+    if start:
+        run.say(f"resuming from step {start} ({run.checkpoints.latest})")
+    train_data = _train_data(run, start)
+    writer = _summary_writer(run)
+    wire = _wire_bytes(run.info, run.model, run.compression, run.trainer, train_data, run.asynchronous)
+    if wire:
+        run.say(f"wire: {wire['bytes_per_step']:,} bytes per replica per step, "
+                f"{wire['ratio']:.1f}x fewer than float32 ({config.compression})")
+    controller = _controller(run, start, wire, writer)
+    started = time.perf_counter()
+    if start < config.train.steps and run.trainer is not None:
+        run.trainer.fit(train_data, config.train.steps, start_step=start, controller=controller)
+    elif start < config.train.steps:
+        keras_fit(run.model, controller,
+                  lambda step: train_data if step == start else _train_data(run, step))
+    controller.end()
+    results = _results(run, time.perf_counter() - started, controller.progress.last, wire, writer)
+    _sample(run)
+    return results
+
+
+def _refuse(message: str, code: int = 2) -> None:
+    """The one line a refusal gets (no absl error line beside it), then exit."""
+    print(f"tfpar-train: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def _load_config():
+    """The config file, loaded; a file that does not load is one line naming it."""
+    try:
+        config = _CONFIG.value
+        config.mode  # noqa: B018  (a config file that failed to load raises here)
+    except OSError as e:
+        _refuse(f"--config could not be loaded ({str(e).splitlines()[0]}). Check the path, e.g. "
+                "--config=configs/gpt_tiny.py.")
+    return config
 
 
 def main(argv) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # our own progress lines say what matters
-    try:
-        config = _CONFIG.value
-        config.mode  # noqa: B018  (a config file that failed to load raises here)
-    except OSError as e:
-        print(f"tfpar-train: --config could not be loaded ({str(e).splitlines()[0]}). Check the "
-              "path, e.g. --config=configs/gpt_tiny.py.", file=sys.stderr)
-        sys.exit(2)
-    if config is None:
+    if not _VERBOSE.value:
+        if not flags.FLAGS["verbosity"].present:
+            logging.set_verbosity(logging.WARNING)  # our own progress lines say what matters
+        import_tensorflow_quietly()
+    if _CONFIG.value is None:
         raise app.UsageError("--config is required, e.g. --config=configs/gpt_tiny.py")
+    config = _load_config()
     workdir = _WORKDIR.value
     if not workdir:
         raise app.UsageError("--workdir is required, e.g. --workdir=/tmp/tfpar_run")
@@ -255,17 +373,14 @@ def main(argv) -> None:
         check_workdir(workdir)
         train_and_evaluate(config, workdir)
     except TfparError as e:
-        logging.error("%s", e)
-        print(f"tfpar-train: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        _refuse(str(e))
     except Exception as e:  # noqa: BLE001  (only a lost peer is turned into a message)
         lost = _lost_peer(e)
         if lost is None:
             raise
-        print(f"tfpar-train: a peer of this worker stopped answering ({lost}). This worker stops "
-              "too. Restart the whole group (tfpar-launch --max-restarts K does it for you): the "
-              "run resumes from its newest checkpoint in --workdir.", file=sys.stderr, flush=True)
-        sys.exit(1)
+        _refuse(f"a peer of this worker stopped answering ({lost}). This worker stops too. "
+                "Restart the whole group (tfpar-launch --max-restarts K does it for you): the run "
+                "resumes from its newest checkpoint in --workdir.", code=1)
 
 
 def _lost_peer(error: Exception) -> str | None:
@@ -284,6 +399,9 @@ def _parse_flags(argv: list[str]) -> list[str]:
     """absl's parser, with config-override mistakes turned into one clear line."""
     try:
         return flags.FLAGS(argv)
+    except SyntaxError as e:  # the config file itself, executed while --config is parsed
+        print(f"tfpar-train: --config file {e.filename}, line {e.lineno}: {e.msg}. Fix that line.",
+              file=sys.stderr)
     except flags.Error as e:
         print(f"tfpar-train: {e}\nPass --helpfull for every flag.", file=sys.stderr)
     except (AttributeError, KeyError, TypeError, ValueError) as e:

@@ -30,21 +30,21 @@ import procs  # noqa: E402
 STEPS, EVERY, LOOP = 60, 20, 10
 
 
-def train_command(workdir: str, mode: str = "loop", every: int = EVERY) -> list[str]:
+def train_command(workdir: str, mode: str = "loop", every: int = EVERY, loop: int = LOOP) -> list[str]:
     return [sys.executable, "-m", "tfpar.train", f"--config={procs.REPO / 'configs' / 'reverse_tiny.py'}",
             f"--workdir={workdir}", "--config.strategy=multi_worker_mirrored",
             "--config.strategy_args.timeout_s=60", f"--config.mode={mode}",
             f"--config.train.steps={STEPS}", f"--config.train.checkpoint_every={every}",
-            f"--config.train.log_every={LOOP}", f"--config.train.steps_per_loop={LOOP}",
+            f"--config.train.log_every={loop}", f"--config.train.steps_per_loop={loop}",
             "--config.train.eval_examples=100", "--config.optimizer.schedule=constant"]
 
 
 def launch(workdir: str, mode: str, fault=None, timeout: float = 600,
-           every: int = EVERY) -> tuple[int, str]:
+           every: int = EVERY, loop: int = LOOP) -> tuple[int, str]:
     """Runs the two-worker job; `fault(pids, line)` is called on every output line and may
     signal a worker. Returns (exit code, output)."""
     command = [sys.executable, "-m", "tfpar.launch", "--workers", "2", "--max-restarts", "1", "--",
-               *train_command(workdir, mode, every)]
+               *train_command(workdir, mode, every, loop)]
     launcher = subprocess.Popen(command, env=procs.env(), cwd=procs.REPO, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
     pids, lines, deadline = {}, [], time.monotonic() + timeout
@@ -76,10 +76,10 @@ def same_weights(a: dict, b: dict) -> bool:
 
 
 def kill_worker(tmp: str, sig: int, mode: str = "loop", reference: dict | None = None,
-                at: int = 30, every: int = EVERY) -> dict:
+                at: int = 30, every: int = EVERY, loop: int = LOOP) -> dict:
     """Sends `sig` to worker:1 once worker:0 has logged step `at` (the signal lands a call or
     two later: the output reaches the test through pipes). Checkpoints every `every` steps;
-    the workers check for preemption every 10. `reference`: the final weights of an
+    the workers log and check for preemption every `loop` steps. `reference`: the final weights of an
     uninterrupted run with the same settings (run here when None)."""
     sent = {}
 
@@ -88,9 +88,9 @@ def kill_worker(tmp: str, sig: int, mode: str = "loop", reference: dict | None =
             os.kill(pids["worker:1"], sig)
             sent["at"] = at
 
-    code, output = launch(os.path.join(tmp, "faulty"), mode, fault, every=every)
+    code, output = launch(os.path.join(tmp, "faulty"), mode, fault, every=every, loop=loop)
     if reference is None:
-        ref_code, ref_output = launch(os.path.join(tmp, "straight"), mode, every=every)
+        ref_code, ref_output = launch(os.path.join(tmp, "straight"), mode, every=every, loop=loop)
         assert ref_code == 0, ref_output[-3000:]
         reference = checkpoint(os.path.join(tmp, "straight"))[1]
     before = output.split("restarting it")[0]  # what the first group did before it stopped

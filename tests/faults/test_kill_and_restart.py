@@ -22,14 +22,14 @@ def reference(tmp_path_factory):
 
 
 def test_sigterm_to_one_worker_saves_everywhere_and_resumes_at_that_step(tmp_path):
-    # one 60-step epoch: wherever the signal lands (step 20..50), the save is mid-epoch
-    result = scenarios.kill_worker(str(tmp_path), signal.SIGTERM, at=20, every=scenarios.STEPS)
+    # runs of 7 steps, checkpoints only at 60: the save lands on an odd step (21, 28, ...)
+    result = scenarios.kill_worker(str(tmp_path), signal.SIGTERM, at=21, every=scenarios.STEPS, loop=7)
     output = result.pop("output")
     assert "[worker:1] preempted: saved step" in output and "[worker:0] preempted: saved step" in output
     assert "exited with code 75" in output and "restarting it (1/1)" in output
     assert result["survived"], (result, output[-4000:])
     assert result["steps_lost"] == 0 and result["resumed_at"] == result["saved_at"]
-    assert 0 < result["saved_at"] < scenarios.STEPS
+    assert 0 < result["saved_at"] < scenarios.STEPS and result["saved_at"] % 7 == 0
 
 
 def test_sigkill_of_one_worker_restarts_from_the_last_checkpoint(tmp_path, reference):
@@ -50,10 +50,12 @@ def test_the_peer_of_a_killed_worker_fails_fast_with_one_clear_line(tmp_path):
     assert "tfpar-launch --max-restarts K" in output and "Traceback" not in output
 
 
-def test_sigterm_in_fit_mode_resumes_mid_epoch_at_that_step(tmp_path):
-    """Keras fit cannot start mid-epoch: the restarted run finishes the cut epoch in its own
-    fit call (data from the saved step on), then goes on; the end equals an unbroken fit run."""
-    result = scenarios.kill_worker(str(tmp_path), signal.SIGTERM, mode="fit", at=20, every=scenarios.STEPS)
+def test_sigterm_in_fit_mode_resumes_at_that_step(tmp_path):
+    """Keras fit, runs of 7 steps: the save lands on an odd step; the restarted run starts
+    its fit there (data from that step on) and ends where an unbroken fit run does."""
+    result = scenarios.kill_worker(str(tmp_path), signal.SIGTERM, mode="fit", at=21,
+                                   every=scenarios.STEPS, loop=7)
     output = result.pop("output")
     assert result["survived"] and result["steps_lost"] == 0, (result, output[-4000:])
     assert result["resumed_at"] == result["saved_at"] and 0 < result["saved_at"] < scenarios.STEPS
+    assert result["saved_at"] % 7 == 0

@@ -40,6 +40,31 @@ def _text_example(text_key: str, label_key: str, max_len: int):
     return convert
 
 
+def _split_facts(builder, split: str) -> tuple[int, int | None]:
+    """(files, examples) of a prepared split; (1, None) where TFDS keeps no record of it
+    (tfds.testing.mock_data, which the config tests use)."""
+    if split not in builder.info.splits:
+        return 1, None
+    split_info = builder.info.splits[split]
+    return len(split_info.filenames), split_info.num_examples
+
+
+def _prepare(builder, spec: str, data_dir: str | None) -> None:
+    """Downloads and prepares the dataset once; without network, says how to bring it here."""
+    if builder.is_prepared():
+        return
+    try:
+        builder.download_and_prepare()
+    except Exception as e:  # pylint: disable=broad-except  (network, disk, missing extras)
+        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise DataError(
+            f"{spec} is not prepared in {builder.data_dir_root} and could not be downloaded "
+            f"({type(e).__name__}: {reason}). On a machine with network, run `python -c \"import "
+            f"tensorflow_datasets as tfds; tfds.builder('{builder.name}').download_and_prepare()\"`, "
+            "copy its ~/tensorflow_datasets folder here, and pass --config.data.data_dir=THAT_FOLDER."
+        ) from None
+
+
 def tfds_splits(spec: str, data_dir: str | None = None, max_len: int = 128,
                 train_split: str = "train", validation_split: str = "test", seed: int = 0) -> Splits:
     """Train/validation sources of a TFDS dataset; images or text with a label."""
@@ -51,8 +76,7 @@ def tfds_splits(spec: str, data_dir: str | None = None, max_len: int = 128,
     except Exception as e:  # pylint: disable=broad-except
         raise DataError(f"TFDS has no dataset {spec!r} ({str(e).splitlines()[0]}). "
                          "Check the name with tfds.list_builders().") from None
-    if not builder.is_prepared():
-        builder.download_and_prepare()
+    _prepare(builder, spec, data_dir)
     features = builder.info.features
     label_key = next(k for k, f in features.items() if isinstance(f, tfds.features.ClassLabel))
     image_keys = [k for k, f in features.items() if isinstance(f, tfds.features.Image)]
@@ -67,7 +91,7 @@ def tfds_splits(spec: str, data_dir: str | None = None, max_len: int = 128,
     info["num_classes"] = features[label_key].num_classes
 
     def source(split: str, name_suffix: str) -> Source:
-        split_info = builder.info.splits[split]
+        num_files, num_examples = _split_facts(builder, split)
 
         def build(shard: Shard, training: bool) -> tf.data.Dataset:
             read_config = tfds.ReadConfig(shuffle_seed=seed)
@@ -80,8 +104,8 @@ def tfds_splits(spec: str, data_dir: str | None = None, max_len: int = 128,
                 dataset = dataset.shuffle(10_000, seed=seed).repeat()
             return dataset
 
-        return Source(f"{spec}/{name_suffix}", build, num_files=len(split_info.filenames),
-                      num_examples=split_info.num_examples)
+        return Source(f"{spec}/{name_suffix}", build, num_files=num_files,
+                      num_examples=num_examples)
 
     return Splits(train=source(train_split, "train"), validation=source(validation_split, "validation"),
                   info=info)

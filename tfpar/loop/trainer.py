@@ -337,9 +337,9 @@ class Trainer:
 
     def _chunks(self, start: int, end: int) -> list[int]:
         """Step counts per tf.function call: steps_per_loop, cut at phase boundaries."""
-        cuts = sorted({*range(start, end, self.steps_per_loop), end,
-                       *(b for b in self._boundaries() if start < b < end)})
-        return [b - a for a, b in zip(cuts, cuts[1:])]
+        from tfpar.controller import plan
+
+        return plan(start, end, self.steps_per_loop, boundaries=self._boundaries())
 
     def per_worker_dataset(self, dataset_fn):
         """parameter_server only: `dataset_fn()` built on every worker, for `fit`.
@@ -352,44 +352,67 @@ class Trainer:
                                "strategy.distribute_datasets_from_function otherwise.")
         return self._async.per_worker_dataset(dataset_fn)
 
-    def _run_chunks(self, iterator, sizes: list[int], on_chunk) -> None:
-        if self._async:  # scheduled on the workers; results reported in order
-            self._async.run(self._scheduled_loop, iterator, sizes, on_chunk)
-        else:
+    def _run_chunks(self, iterator, sizes: list[int], on_chunk, settle=frozenset()) -> None:
+        """Runs a call per size, then `on_chunk(size, mean loss)` with `self.step` past it.
+
+        Under parameter_server the calls are scheduled on the workers and stay in flight,
+        except at a step in `settle` (a checkpoint or evaluation reads the state there):
+        every call before it has finished when its `on_chunk` runs.
+        """
+        if not self._async:
             for n in sizes:
                 on_chunk(n, self.train_steps(iterator, n))
+            return
 
-    def fit(self, dataset, steps: int, start_step: int = 0, steps_per_epoch: int | None = None,
-            callbacks: Sequence[keras.callbacks.Callback] = ()) -> dict:
-        """Trains from `start_step` to `steps`, calling Keras callbacks as `fit` would.
+        def done(n: int, loss: float) -> None:
+            self.step += n
+            on_chunk(n, loss)
 
-        `steps_per_epoch` (default: all steps) sets when on_epoch_end fires (checkpoints).
-        Logs carry the loss averaged since the epoch began, like Keras's. Under
-        parameter_server, `dataset` comes from `per_worker_dataset`, the workers run
-        asynchronously within an epoch, and all finish before on_epoch_end (checkpoints).
+        part, step = [], self.step
+        for index, n in enumerate(sizes):
+            part.append(n)
+            step += n
+            if step in settle or index == len(sizes) - 1:
+                self._async.run(self._scheduled_loop, iterator, part, done)
+                part = []
+
+    def fit(self, dataset, steps: int, start_step: int = 0,
+            callbacks: Sequence[keras.callbacks.Callback] = (), controller=None) -> dict:
+        """Trains from `start_step` to `steps`; returns {"loss": mean loss of those steps}.
+
+        Args:
+          dataset: a distributed dataset (parameter_server: from `per_worker_dataset`).
+          callbacks: Keras callbacks, called as `fit` would for one epoch whose batch b is
+            step `start_step + b + 1` (after each call of `steps_per_loop` steps).
+          controller: a tfpar.controller.Controller at `start_step` that ends at `steps`:
+            it plans the calls (so its intervals land on their steps) and does the outer
+            loop's work (progress, eval, checkpoints, preemption) after each.
+
+        Example:
+            >>> trainer.fit(data, steps=1000, controller=Controller(total_steps=1000, ...))
         """
-        steps_per_epoch = steps_per_epoch or steps
+        if controller is not None and (controller.step, controller.total_steps) != (start_step, steps):
+            raise TrainerError(f"The controller is at step {controller.step} of "
+                               f"{controller.total_steps}; fit was asked for {start_step} to {steps}.")
         callback_list = keras.callbacks.CallbackList(list(callbacks), model=self.model)
-        iterator = iter(dataset)
-        self.step = start_step
+        self.step, mean, logs = start_step, _RunningMean(), {}
+        if controller is None:
+            sizes, settle = self._chunks(start_step, steps), frozenset()
+        else:
+            sizes, settle = controller.plan(self._boundaries()), controller.settle_steps()
+            controller.begin()
+
+        def on_chunk(n: int, loss: float) -> None:
+            nonlocal logs
+            logs = {"loss": mean.add(loss, n)}
+            callback_list.on_train_batch_end(self.step - start_step - 1, logs)
+            if controller is not None:
+                controller.after_steps(n, loss)
+
         callback_list.on_train_begin()
-        step, logs = start_step, {}
-        while step < steps:
-            epoch = step // steps_per_epoch
-            epoch_end = min((epoch + 1) * steps_per_epoch, steps)
-            callback_list.on_epoch_begin(epoch)
-            sizes = self._chunks(step, epoch_end)
-            mean = _RunningMean()
-
-            def on_chunk(n: int, loss: float) -> None:
-                nonlocal step, logs
-                step += n
-                logs = {"loss": mean.add(loss, n)}
-                callback_list.on_train_batch_end(step - epoch * steps_per_epoch - 1, logs)
-
-            self._run_chunks(iterator, sizes, on_chunk)
-            self.step = step
-            callback_list.on_epoch_end(epoch, logs)
+        callback_list.on_epoch_begin(0)
+        self._run_chunks(iter(dataset), sizes, on_chunk, settle)
+        callback_list.on_epoch_end(0, logs)
         callback_list.on_train_end(logs)
         return logs
 

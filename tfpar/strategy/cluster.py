@@ -163,6 +163,21 @@ def validate_config(config: Any, source_name: str = "TF_CONFIG") -> Cluster:
             f"{where} has no 'cluster' (a mapping job -> list of 'host:port'). "
             f"Example: {_TF_CONFIG_EXAMPLE}"
         )
+    jobs = _jobs(cluster, where)
+    task_type, task_index = _task(config.get("task"), jobs, where)
+    _check_duplicates(jobs, where)
+    _check_loopback_mix(jobs, where)
+    return Cluster(
+        jobs=jobs,
+        task_type=task_type,
+        task_index=task_index,
+        source=source_name,
+        rpc_layer=config.get("rpc_layer", "grpc") or "grpc",
+    )
+
+
+def _jobs(cluster: dict, where: str) -> dict[str, tuple[str, ...]]:
+    """The cluster's jobs, each a checked tuple of addresses."""
     jobs: dict[str, tuple[str, ...]] = {}
     for job, addresses in cluster.items():
         if job not in KNOWN_JOBS:
@@ -188,8 +203,11 @@ def validate_config(config: Any, source_name: str = "TF_CONFIG") -> Cluster:
             f"{where} has a 'ps' job but no 'chief': parameter-server training needs one chief "
             "(the coordinator). Add \"chief\": [\"host:port\"]."
         )
+    return jobs
 
-    task = config.get("task")
+
+def _task(task: Any, jobs: dict[str, tuple[str, ...]], where: str) -> tuple[str, int]:
+    """(type, index) of this process's task, checked against the jobs."""
     if not isinstance(task, dict) or "type" not in task:
         raise ClusterConfigError(
             f"{where} has a cluster but no 'task' saying which one this process is. "
@@ -213,16 +231,7 @@ def validate_config(config: Any, source_name: str = "TF_CONFIG") -> Cluster:
             f"which has {count} task(s) (valid: 0..{count - 1}). Fix task.index or add the "
             "missing address to the cluster."
         )
-
-    _check_duplicates(jobs, where)
-    _check_loopback_mix(jobs, where)
-    return Cluster(
-        jobs=jobs,
-        task_type=task_type,
-        task_index=task_index,
-        source=source_name,
-        rpc_layer=config.get("rpc_layer", "grpc") or "grpc",
-    )
+    return task_type, task_index
 
 
 def split_address(address: str) -> tuple[str, int]:
