@@ -2,6 +2,9 @@
 
 import os
 
+import numpy as np
+import pytest
+
 import tensorflow as tf
 
 from tfpar.checkpoint_integrity import newest_intact, problems
@@ -44,3 +47,61 @@ def test_a_missing_data_shard_is_named(tmp_path):
     prefix = _three_checkpoints(tmp_path)[0]
     os.remove(_data(prefix))
     assert problems(prefix) == [f"{_data(prefix)} is missing"]
+
+
+def _truncate(prefix):
+    path = _data(prefix)
+    os.truncate(path, os.path.getsize(path) // 2)
+
+
+def test_checkpoints_restore_the_newest_whole_one_and_name_the_damaged(tmp_path, caplog):
+    import keras
+
+    from tfpar.checkpoints import Checkpoints
+    from tfpar.errors import CheckpointDamagedError
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    checkpoints = Checkpoints(str(tmp_path), is_chief=True, model=model)
+    saved = {}
+    for step in (10, 20):
+        model.layers[0].kernel.assign(tf.fill([4, 3], float(step)))
+        checkpoints.save(step)
+        saved[step] = model.layers[0].kernel.numpy()
+    _truncate(str(tmp_path / "checkpoints" / "ckpt-20"))  # a partial copy of the newest
+
+    model.layers[0].kernel.assign(tf.zeros([4, 3]))
+    fresh = Checkpoints(str(tmp_path), is_chief=True, model=model)
+    with caplog.at_level("WARNING"):
+        assert fresh.restore() == 10
+    assert "ckpt-20 is damaged" in caplog.text and "ckpt-20.data-00000-of-00001" in caplog.text
+    np.testing.assert_array_equal(model.layers[0].kernel.numpy(), saved[10])
+
+    _truncate(str(tmp_path / "checkpoints" / "ckpt-10"))
+    with pytest.raises(CheckpointDamagedError, match="No whole checkpoint in .*ckpt-20.*ckpt-10"):
+        Checkpoints(str(tmp_path), is_chief=True, model=model).restore()
+
+
+@pytest.mark.slow
+def test_the_binary_resumes_past_a_damaged_checkpoint_or_stops_in_one_line(tmp_path):
+    from procs import run_python
+
+    def train(steps):
+        return run_python(["-m", "tfpar.train", "--config=configs/reverse_tiny.py",
+                           f"--config.train.steps={steps}", "--config.train.checkpoint_every=10",
+                           "--config.train.steps_per_loop=5", "--config.train.log_every=10",
+                           "--config.train.eval_batch_size=100", f"--workdir={tmp_path}"], timeout=300)
+
+    assert train(20).returncode == 0
+    _truncate(str(tmp_path / "checkpoints" / "ckpt-20"))
+    resumed = train(30)
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output[-3000:]
+    assert "ckpt-20 is damaged" in output and "ckpt-10" in output
+    assert (tmp_path / "checkpoints" / "ckpt-30.index").exists()
+
+    for step in (10, 20, 30):
+        if (tmp_path / "checkpoints" / f"ckpt-{step}.index").exists():
+            _truncate(str(tmp_path / "checkpoints" / f"ckpt-{step}"))
+    stopped = train(40)
+    lines = [line for line in stopped.stderr.splitlines() if line.startswith("tfpar-train:")]
+    assert stopped.returncode == 2 and len(lines) == 1 and "No whole checkpoint" in lines[0], stopped.stderr[-3000:]

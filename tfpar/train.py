@@ -318,7 +318,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     _build(run)
     start = run.checkpoints.restore()
     if start:
-        run.say(f"resuming from step {start} ({run.checkpoints.latest})")
+        run.say(f"resuming from step {start} ({run.checkpoints.restored})")
     train_data = _train_data(run, start)
     writer = _summary_writer(run)
     wire = _wire_bytes(run.info, run.model, run.compression, run.trainer, train_data, run.asynchronous)
