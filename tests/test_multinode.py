@@ -33,3 +33,23 @@ def test_slurm_gives_the_hosts_and_the_rank():
 def test_bad_host_lists_are_refused_with_the_fix(hosts, rank, message):
     with pytest.raises(NodePlanError, match=message):
         NodePlan.from_args(hosts, rank)
+
+
+def test_tfpar_launch_gives_this_nodes_workers_the_shared_cluster(tmp_path):
+    import subprocess
+    import sys
+
+    from procs import env, free_port_pair
+
+    port = free_port_pair()
+    show = "import os; print('CONFIG', os.environ['TF_CONFIG'])"
+    result = subprocess.run(
+        [sys.executable, "-m", "tfpar.launch", "--hosts", "127.0.0.1", "--node-rank", "0",
+         "--workers-per-host", "2", "--port", str(port), "--", sys.executable, "-c", show],
+        env=env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    configs = sorted((json.loads(line.split("CONFIG ", 1)[1]) for line in result.stdout.splitlines()
+                     if "CONFIG " in line), key=lambda c: c["task"]["index"])
+    addresses = [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"]
+    assert [c["task"]["index"] for c in configs] == [0, 1]
+    assert all(c["cluster"] == {"worker": addresses} for c in configs)
