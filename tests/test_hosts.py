@@ -89,6 +89,19 @@ def test_the_namespaces_go_away_when_the_block_fails():
         Hosts(2, loss="150%")
 
 
+def test_the_namespaces_go_away_when_the_process_is_terminated():
+    before = _namespaces()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import time\nfrom tfpar.testing.netns import Hosts\n"
+         "with Hosts(2, tag='term') as hosts:\n    print('up', flush=True); time.sleep(60)"],
+        env=env(), stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "up"
+    assert {"tfptermh0", "tfptermh1"} <= _namespaces()
+    holder.terminate()  # e.g. a test timeout
+    holder.wait(30)
+    assert _namespaces() == before
+
+
 def _tf_config(addresses: list[str], port: int, index: int) -> str:
     return json.dumps({"cluster": {"worker": [f"{a}:{port}" for a in addresses]},
                        "task": {"type": "worker", "index": index}})
@@ -279,3 +292,19 @@ def test_a_link_down_for_20s_ends_with_the_uninterrupted_weights(tmp_path):
     assert clean.keys() == resumed.keys() and clean
     for key in clean:
         np.testing.assert_allclose(resumed[key], clean[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_run_started_on_one_host_resumes_on_two_at_its_exact_step(tmp_path):
+    with Hosts(2) as hosts:
+        alone = hosts.popen(0, [sys.executable, *_train_args(tmp_path, steps=100)], cwd=REPO,
+                            env=env(TF_CONFIG=_tf_config(hosts.addresses[:1], 23456, 0)),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        out, _ = alone.communicate(timeout=400)
+        assert alone.returncode == 0, out[-2000:]
+        procs = _start_binary(hosts, tmp_path, 2)  # to step 200, now on both hosts
+        outs = [p.communicate(timeout=400)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:]
+    assert "resuming from step 100" in outs[0]  # the chief says it; both restore the same file
+    assert (tmp_path / "checkpoints" / "ckpt-200.index").exists()

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import atexit
 import os
-import shutil
 import re
+import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Sequence
 
@@ -84,6 +86,7 @@ class Hosts:
         if reason:
             raise HostsError(reason)
         _LIVE.add(self)
+        _cleanup_on_sigterm()
         try:
             if self.delay or self.loss:
                 self._start_wire()
@@ -223,6 +226,14 @@ def _fraction(text: str | None) -> float:
     if not 0 <= value < 1:
         raise HostsError(f"loss {text!r}: a fraction below 1 (e.g. '1%').")
     return value
+
+
+def _cleanup_on_sigterm() -> None:
+    """A SIGTERM (a test timeout, `kill`) ends the process through SystemExit, so `close`
+    and the atexit hook run and no namespace is left behind."""
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+        signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
 
 
 @atexit.register
