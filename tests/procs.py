@@ -34,3 +34,20 @@ def launch(workers: int, script: str, *script_args: str, timeout: float = 300,
          sys.executable, str(SCRIPTS / script), *script_args],
         timeout=timeout, **extra_env,
     )
+
+
+def free_port_pair() -> int:
+    """A port p such that p and p + 1 are both free on 127.0.0.1 right now."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+                return port
+    raise RuntimeError("no two consecutive free ports on 127.0.0.1")

@@ -24,7 +24,8 @@ import tempfile
 import tensorflow as tf
 from absl import logging
 
-from tfpar.errors import CheckpointMismatchError, WorkdirError
+from tfpar import checkpoint_integrity
+from tfpar.errors import CheckpointDamagedError, CheckpointMismatchError, WorkdirError
 
 
 def fingerprint(model) -> dict:
@@ -64,14 +65,20 @@ class Checkpoints:
         self.checkpoint = tf.train.Checkpoint(**objects)
         self.manager = tf.train.CheckpointManager(self.checkpoint, self.directory, max_to_keep)
         self._fingerprint_path = os.path.join(self.directory, "model.json")
+        self.restored: str | None = None  # the checkpoint `restore` read
 
     @property
     def latest(self) -> str | None:
         return self.manager.latest_checkpoint
 
     def restore(self) -> int:
-        """Restores the newest checkpoint; returns its step (0 when there is none)."""
-        latest = self.latest
+        """Restores the newest whole checkpoint; returns its step (0 when there is none).
+
+        A damaged checkpoint (a missing index or shard, a truncated or corrupted data file)
+        is named in a warning and skipped for the next older one; when none is whole the run
+        stops with CheckpointDamagedError instead of training from scratch over them.
+        """
+        latest = self.restored = self._newest_intact()
         if latest is None:
             return 0
         self._check_fingerprint(latest)
@@ -84,6 +91,20 @@ class Checkpoints:
         step = int(latest.rsplit("-", 1)[-1])
         logging.info("tfpar: resumed from %s (step %d).", latest, step)
         return step
+
+    def _newest_intact(self) -> str | None:
+        listed = list(reversed(self.manager.checkpoints))  # newest first
+        chosen, damaged = checkpoint_integrity.newest_intact(listed)
+        for prefix, problems in damaged.items():
+            logging.warning("tfpar: checkpoint %s is damaged (%s); trying an older one.",
+                            prefix, "; ".join(problems))
+        if chosen is None and damaged:
+            raise CheckpointDamagedError(
+                f"No whole checkpoint in {self.directory}: " + "; ".join(
+                    f"{os.path.basename(p)}: {'; '.join(found)}" for p, found in damaged.items())
+                + ". Copy the checkpoints again from where they were written, or move the "
+                "directory away to start from step 0.")
+        return chosen
 
     def _check_fingerprint(self, latest: str) -> None:
         if self.fingerprint is None or not os.path.exists(self._fingerprint_path):

@@ -63,5 +63,9 @@ class CheckpointMismatchError(TfparError, ValueError):
     """A checkpoint that was written by another model (or another config of it)."""
 
 
+class CheckpointDamagedError(TfparError, RuntimeError):
+    """Every checkpoint in the workdir is damaged (missing or truncated files, bad checksums)."""
+
+
 class WorkdirError(TfparError, OSError):
     """The workdir cannot take what the run writes (read-only, full)."""

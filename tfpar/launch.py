@@ -2,6 +2,7 @@
 
     python -m tfpar.launch --workers 2 -- python -m tfpar.train --config=configs/gpt_tiny.py
     tfpar-launch --chief --workers 2 --ps 1 -- python my_ps_script.py
+    tfpar-launch --hosts 10.0.0.1,10.0.0.2 --node-rank 0 -- python -m tfpar.train ...  # on each machine
 
 Picks free ports on 127.0.0.1, gives each process its TF_CONFIG, prefixes every output
 line with its task (`[worker:1] ...`), pins CPUs when asked, stops the whole group with a
@@ -32,6 +33,8 @@ import sys
 import threading
 import time
 from typing import Sequence, TextIO
+
+from tfpar.multinode import DEFAULT_PORT, NodePlan, NodePlanError
 
 HOST = "127.0.0.1"
 GRACE_S = 10.0
@@ -93,8 +96,13 @@ def launch(
     out: TextIO | None = None,
     max_worker_restarts: int = 3,
     max_restarts: int = 0,
+    node: NodePlan | None = None,
 ) -> int:
     """Runs `command` once per task of a local cluster; returns the group's exit code.
+
+    `node`: this machine's part of a multi-node cluster (tfpar.multinode.NodePlan): its
+    workers get the cluster every node builds from the same host list, on fixed ports, so
+    that groups restarted on each node (max_restarts) meet again.
 
     `max_restarts`: start the whole group again (fresh ports) after it failed, at most
     this many times; each task sees TFPAR_LAUNCH_ATTEMPT=0, 1, ...
@@ -111,6 +119,9 @@ def launch(
         raise SystemExit("tfpar-launch: need at least one worker (--workers N) or --chief.")
     if max_restarts < 0:
         raise SystemExit("tfpar-launch: --max-restarts must be >= 0.")
+    if node is not None and (ps or chief):
+        raise SystemExit("tfpar-launch: --hosts runs workers only (multi_worker_mirrored); "
+                         "a chief and parameter servers are not supported across hosts yet.")
     if ps and not chief:
         raise SystemExit(
             "tfpar-launch: --ps needs --chief: parameter-server training is driven by a chief "
@@ -127,11 +138,12 @@ def launch(
     try:
         for attempt in range(max_restarts + 1):
             code = _run_group(command, workers, ps, chief, cpus_per_worker, env, out, lock,
-                              received, max_worker_restarts, attempt)
+                              received, max_worker_restarts, attempt, node)
             if code == 0 or received or attempt == max_restarts:
                 return code
+            where = "on fresh ports" if node is None else "on the same ports (every node restarts its own)"
             _say(out, lock, f"the group failed (exit code {code}); restarting it "
-                            f"({attempt + 1}/{max_restarts}) on fresh ports.")
+                            f"({attempt + 1}/{max_restarts}) {where}.")
         return code
     finally:
         for sig, handler in previous.items():
@@ -145,10 +157,14 @@ def _say(out: TextIO, lock: threading.Lock, message: str) -> None:
 
 
 def _run_group(command, workers, ps, chief, cpus_per_worker, env, out, lock, received,
-               max_worker_restarts, attempt) -> int:
-    """Starts every task of a fresh local cluster and supervises it to the end."""
-    cluster = cluster_spec(workers, ps, chief)
-    order = [(job, i) for job in ("chief", "worker", "ps") for i in range(len(cluster.get(job, [])))]
+               max_worker_restarts, attempt, node=None) -> int:
+    """Starts every task of a fresh local cluster (or this node's workers of a multi-node
+    one) and supervises it to the end."""
+    if node is None:
+        cluster = cluster_spec(workers, ps, chief)
+        order = [(job, i) for job in ("chief", "worker", "ps") for i in range(len(cluster.get(job, [])))]
+    else:
+        cluster, order = node.cluster, [("worker", i) for i in node.local_workers]
     cpu_sets = _cpu_sets(len(order), cpus_per_worker)
     pumps: list[threading.Thread] = []
     base_env = dict(os.environ if env is None else env)
@@ -256,13 +272,37 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="restart the whole group up to this many times after a task fails "
                              "or is preempted (default 0); tfpar-train resumes from its checkpoint")
+    nodes = parser.add_argument_group(
+        "several machines", "run the same command on every machine, each with its --node-rank")
+    nodes.add_argument("--hosts", default=None,
+                       help="every machine's address, comma-separated, the same on every machine; "
+                            "'slurm' reads SLURM_JOB_NODELIST and SLURM_NODEID")
+    nodes.add_argument("--node-rank", type=int, default=None, help="this machine's place in --hosts")
+    nodes.add_argument("--workers-per-host", type=int, default=1, help="workers on each machine (default 1)")
+    nodes.add_argument("--port", type=int, default=DEFAULT_PORT,
+                       help=f"first port of each machine's workers (default {DEFAULT_PORT})")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     args = parser.parse_args(argv)
+    args.node = None
+    if args.hosts is not None or args.node_rank is not None:
+        try:
+            args.node = _node_plan(args)
+        except NodePlanError as e:
+            parser.error(str(e))
     if args.command and args.command[0] == "--":
         args.command = args.command[1:]
     if not args.command:
         parser.error("no command given; put it after --, e.g. tfpar-launch --workers 2 -- python train.py")
     return args
+
+
+def _node_plan(args: argparse.Namespace) -> NodePlan:
+    if args.hosts == "slurm":
+        return NodePlan.from_slurm(workers_per_host=args.workers_per_host, port=args.port)
+    if args.hosts is None or args.node_rank is None:
+        raise NodePlanError("--hosts and --node-rank go together, e.g. --hosts 10.0.0.1,10.0.0.2 "
+                            "--node-rank 0 on the first machine (or --hosts slurm).")
+    return NodePlan.from_args(args.hosts, args.node_rank, args.workers_per_host, args.port)
 
 
 def run(argv: Sequence[str] | None = None) -> None:
@@ -271,7 +311,7 @@ def run(argv: Sequence[str] | None = None) -> None:
     sys.exit(launch(args.command, workers=args.workers, ps=args.ps, chief=args.chief,
                     cpus_per_worker=args.cpus_per_worker,
                     max_worker_restarts=args.max_worker_restarts,
-                    max_restarts=args.max_restarts))
+                    max_restarts=args.max_restarts, node=args.node))
 
 
 if __name__ == "__main__":

@@ -318,7 +318,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     _build(run)
     start = run.checkpoints.restore()
     if start:
-        run.say(f"resuming from step {start} ({run.checkpoints.latest})")
+        run.say(f"resuming from step {start} ({run.checkpoints.restored})")
     train_data = _train_data(run, start)
     writer = _summary_writer(run)
     wire = _wire_bytes(run.info, run.model, run.compression, run.trainer, train_data, run.asynchronous)
@@ -378,7 +378,11 @@ def main(argv) -> None:
         lost = _lost_peer(e)
         if lost is None:
             raise
-        _refuse(f"a peer of this worker stopped answering ({lost}). This worker stops too. "
+        from tfpar.strategy.lost_peer import describe_lost_peer
+
+        who = describe_lost_peer(str(e))
+        _refuse(f"a peer of this worker{f' ({who})' if who else ''} stopped answering ({lost}). "
+                "This worker stops too. "
                 "Restart the whole group (tfpar-launch --max-restarts K does it for you): the run "
                 "resumes from its newest checkpoint in --workdir.", code=1)
 
