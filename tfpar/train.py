@@ -106,7 +106,8 @@ def _compression(config, asynchronous: bool):
     return compression_lib.from_config(config.compression, **config.compression_args)
 
 
-def _wire_bytes(info, model, compression, trainer, train_data, asynchronous) -> dict | None:
+def _wire_bytes(info, model, compression, trainer, train_data, asynchronous,
+                last_step: int) -> dict | None:
     """Bytes per replica per step: counted from the traced step (loop), or the compressor's
     analytic sizes (fit, whose step Keras traces; the loop's tests show the two agree)."""
     from tfpar.compression import accounting
@@ -114,7 +115,7 @@ def _wire_bytes(info, model, compression, trainer, train_data, asynchronous) -> 
     if asynchronous or (info.replicas == 1 and info.num_workers == 1):
         return None  # nothing is all-reduced
     if trainer is not None:
-        return trainer.wire_bytes(train_data)
+        return trainer.wire_bytes(train_data, step=last_step)  # after any warm-up
     dense = accounting.fp32_bytes(model.trainable_variables)
     sent = (sum(compression.payload_bytes(model.trainable_variables).values())
             if compression is not None else dense)
@@ -321,7 +322,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
         run.say(f"resuming from step {start} ({run.checkpoints.restored})")
     train_data = _train_data(run, start)
     writer = _summary_writer(run)
-    wire = _wire_bytes(run.info, run.model, run.compression, run.trainer, train_data, run.asynchronous)
+    wire = _wire_bytes(run.info, run.model, run.compression, run.trainer, train_data, run.asynchronous,
+                       config.train.steps - 1)
     if wire:
         run.say(f"wire: {wire['bytes_per_step']:,} bytes per replica per step, "
                 f"{wire['ratio']:.1f}x fewer than float32 ({config.compression})")

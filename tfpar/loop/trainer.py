@@ -328,19 +328,22 @@ class Trainer:
         return self._train_loop.get_concrete_function(iter(dataset), tf.constant(1),
                                                       phase if phase is not None else self._phase(self.step))
 
-    def wire_bytes(self, dataset) -> dict:
+    def wire_bytes(self, dataset, step: int | None = None) -> dict:
         """Bytes one replica hands to collectives per step, counted from the traced graph,
         and the ratio to one float32 all-reduce of every gradient. Collectives whose size
         depends on the data (sparse embedding gradients) are counted in
         `dynamic_collectives`, not in the bytes. `bytes_per_call`: what each call of
-        `steps_per_loop` steps adds once (the cross-replica sum of the loss)."""
-        step = self.traced_step(dataset)
-        found = accounting.collectives(step)
-        sent = accounting.bytes_per_replica(step, in_loops_only=True)
+        `steps_per_loop` steps adds once (the cross-replica sum of the loss).
+
+        `step`: count the step traced for that step's phase (default: the current step;
+        e.g. the last step of a run, after a compression warm-up has ended)."""
+        traced = self.traced_step(dataset, None if step is None else self._phase(step))
+        found = accounting.collectives(traced)
+        sent = accounting.bytes_per_replica(traced, in_loops_only=True)
         dense = accounting.fp32_bytes(self.model.trainable_variables)
         return {"bytes_per_step": sent, "fp32_bytes_per_step": dense,
                 "ratio": dense / sent if sent else float("inf"),
-                "bytes_per_call": accounting.bytes_per_replica(step) - sent,  # the loss sum
+                "bytes_per_call": accounting.bytes_per_replica(traced) - sent,  # the loss sum
                 "dynamic_collectives": len(accounting.dynamic(found))}
 
     def _chunks(self, start: int, end: int) -> list[int]:
