@@ -20,6 +20,7 @@ from tfpar.errors import (
     StrategyOptionError,
     TfparError,
     TPUNotFoundError,
+    TPUSliceError,
     UnknownStrategyError,
     UnsupportedStrategyError,
 )
@@ -35,8 +36,8 @@ _LAZY = {
 
 __all__ = [
     "ClusterConfigError", "PeerUnreachableError", "RuntimeAlreadyStartedError",
-    "StrategyOptionError", "TPUNotFoundError", "TfparError", "UnknownStrategyError",
-    "UnsupportedStrategyError", *_LAZY,
+    "StrategyOptionError", "TPUNotFoundError", "TPUSliceError", "TfparError",
+    "UnknownStrategyError", "UnsupportedStrategyError", *_LAZY,
 ]
 
 

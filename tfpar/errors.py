@@ -40,6 +40,10 @@ class TPUNotFoundError(TfparError, RuntimeError):
     """A TPU was asked for and none was found."""
 
 
+class TPUSliceError(TPUNotFoundError):
+    """A TPU is there, but not usable the way it was asked for (a multi-host slice)."""
+
+
 class UnsupportedStrategyError(TfparError, RuntimeError):
     """A feature that cannot run under the active strategy (e.g. Keras fit under PS)."""
 

@@ -24,7 +24,7 @@ from typing import Mapping
 
 from absl import logging
 
-from tfpar.errors import TPUNotFoundError
+from tfpar.errors import TPUNotFoundError, TPUSliceError
 
 GOOGLE_PCI_VENDOR = "0x1ae0"
 # Google PCI device ids of TPU chips (as JAX's hardware_utils lists them). 0x1ae0 also
@@ -36,10 +36,6 @@ TPU_VM_VARIABLES = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_ID", "TPU_WORKER_HOSTNAM
 _TWO_CORES_PER_CHIP = ("v2", "v3", "v4", "v5p")
 
 _connected = {"hosts": 0}  # hosts of the TPU this process initialised (0: none)
-
-
-class TPUSliceError(TPUNotFoundError):
-    """A TPU is there, but not usable the way it was asked for (a multi-host slice)."""
 
 
 @dataclasses.dataclass(frozen=True)
