@@ -86,6 +86,24 @@ def _cpu_sets(count: int, cpus_per_task: int | None) -> list[list[int] | None]:
     ]
 
 
+def _check_request(command, workers: int, ps: int, chief: bool, max_restarts: int, node) -> None:
+    """One clear refusal for a launch that cannot work."""
+    if not command:
+        raise SystemExit("tfpar-launch: no command given. Usage: tfpar-launch --workers 2 -- CMD ...")
+    if workers < 1 and not chief:
+        raise SystemExit("tfpar-launch: need at least one worker (--workers N) or --chief.")
+    if max_restarts < 0:
+        raise SystemExit("tfpar-launch: --max-restarts must be >= 0.")
+    if node is not None and (ps or chief):
+        raise SystemExit("tfpar-launch: --hosts runs workers only (multi_worker_mirrored); "
+                         "a chief and parameter servers are not supported across hosts yet.")
+    if ps and not chief:
+        raise SystemExit(
+            "tfpar-launch: --ps needs --chief: parameter-server training is driven by a chief "
+            "(coordinator). Add --chief."
+        )
+
+
 def launch(
     command: Sequence[str],
     workers: int = 1,
@@ -113,20 +131,7 @@ def launch(
     its work elsewhere, and the launcher starts it again (at most `max_worker_restarts`
     times per worker), after which the coordinator gives it work again.
     """
-    if not command:
-        raise SystemExit("tfpar-launch: no command given. Usage: tfpar-launch --workers 2 -- CMD ...")
-    if workers < 1 and not chief:
-        raise SystemExit("tfpar-launch: need at least one worker (--workers N) or --chief.")
-    if max_restarts < 0:
-        raise SystemExit("tfpar-launch: --max-restarts must be >= 0.")
-    if node is not None and (ps or chief):
-        raise SystemExit("tfpar-launch: --hosts runs workers only (multi_worker_mirrored); "
-                         "a chief and parameter servers are not supported across hosts yet.")
-    if ps and not chief:
-        raise SystemExit(
-            "tfpar-launch: --ps needs --chief: parameter-server training is driven by a chief "
-            "(coordinator). Add --chief."
-        )
+    _check_request(command, workers, ps, chief, max_restarts, node)
     out = out or sys.stdout
     lock = threading.Lock()
     received: list[int] = []
