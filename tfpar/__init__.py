@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 
-_SUBPACKAGES = ("compression", "data", "evaluation", "launch", "loop", "models", "placement",
+_SUBPACKAGES = ("compression", "controller", "data", "evaluation", "launch", "loop", "models", "placement",
                 "recipes", "strategy")
 
 
