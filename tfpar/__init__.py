@@ -41,8 +41,8 @@ __all__ = [
 ]
 
 
-_SUBPACKAGES = ("compression", "controller", "data", "evaluation", "launch", "loop", "models", "placement",
-                "recipes", "strategy")
+_SUBPACKAGES = ("compression", "controller", "data", "evaluation", "launch", "loop", "models",
+                "placement", "recipes", "strategy")
 
 
 def __getattr__(name):
