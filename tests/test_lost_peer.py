@@ -23,3 +23,8 @@ def test_this_workers_own_task_is_not_the_lost_one(monkeypatch):
 def test_no_task_in_the_message_names_nobody():
     assert describe_lost_peer("Deadline Exceeded", CLUSTER) is None
     assert describe_lost_peer("/job:chief/task:3 gone", CLUSTER) == "chief 3"
+
+
+def test_an_address_in_the_message_names_its_task():
+    message = "failed to connect to all addresses; last error: ipv4:10.9.0.2:2222: Connection refused"
+    assert describe_lost_peer(message, CLUSTER, this_task=("worker", 0)) == "worker 1 at 10.9.0.2:2222"

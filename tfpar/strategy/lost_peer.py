@@ -41,4 +41,9 @@ def describe_lost_peer(message: str, cluster: dict | None = None, *,
         addresses = cluster.get(job, [])
         address = addresses[int(index)] if int(index) < len(addresses) else None
         return f"{job} {index}" + (f" at {address}" if address else "")
+    for job, addresses in cluster.items():  # no task named: maybe its address is
+        for index, address in enumerate(addresses):
+            mine = this_task is not None and (job, index) == (this_task[0], int(this_task[1]))
+            if not mine and address in message:
+                return f"{job} {index} at {address}"
     return None
