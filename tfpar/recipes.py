@@ -46,7 +46,7 @@ def build_optimizer(opt, total_steps: int) -> keras.optimizers.Optimizer:
     if opt.name == "adamw":
         return keras.optimizers.AdamW(lr, weight_decay=opt.weight_decay, beta_2=opt.beta_2, **clip)
     if opt.name == "sgd":
-        return keras.optimizers.SGD(lr, momentum=opt.momentum, nesterov=True, **clip)
+        return keras.optimizers.SGD(lr, momentum=opt.momentum, nesterov=opt.momentum > 0, **clip)
     if opt.name == "lamb":
         return keras.optimizers.Lamb(lr, beta_2=opt.beta_2, **clip)
     raise ValueError(f"optimizer.name={opt.name!r}: choose one of {', '.join(OPTIMIZERS)}.")
