@@ -229,11 +229,17 @@ def _fraction(text: str | None) -> float:
 
 
 def _cleanup_on_sigterm() -> None:
-    """A SIGTERM (a test timeout, `kill`) ends the process through SystemExit, so `close`
-    and the atexit hook run and no namespace is left behind."""
+    """A SIGTERM (a test timeout, `kill`) removes the namespaces, then terminates the
+    process as it would have without this handler."""
     if (threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
-        signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+        signal.signal(signal.SIGTERM, _remove_and_terminate)
+
+
+def _remove_and_terminate(signum, _frame) -> None:
+    _remove_leftovers()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 @atexit.register
