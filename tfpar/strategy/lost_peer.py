@@ -20,20 +20,22 @@ import re
 _TASK = re.compile(r"/job:(\w+)(?:/replica:\d+)?/task:(\d+)")
 
 
-def _cluster_from_env() -> dict:
+def _tf_config() -> dict:
     try:
-        return json.loads(os.environ.get("TF_CONFIG", "{}")).get("cluster", {})
-    except (ValueError, AttributeError):
+        config = json.loads(os.environ.get("TF_CONFIG", "") or "{}")
+    except ValueError:
         return {}
+    return config if isinstance(config, dict) else {}
 
 
 def describe_lost_peer(message: str, cluster: dict | None = None, *,
                        this_task: tuple[str, int] | None = None) -> str | None:
     """'JOB INDEX at ADDRESS' for the first task in `message` other than `this_task` (None
     when the message names no task). `cluster`: job -> addresses (default: TF_CONFIG's)."""
-    cluster = _cluster_from_env() if cluster is None else cluster
+    config = _tf_config()
+    cluster = config.get("cluster", {}) if cluster is None else cluster
     if this_task is None:
-        task = json.loads(os.environ.get("TF_CONFIG", "{}") or "{}").get("task", {})
+        task = config.get("task", {})
         this_task = (task.get("type"), task.get("index")) if task else None
     for job, index in _TASK.findall(message):
         if this_task is not None and (job, int(index)) == (this_task[0], int(this_task[1])):
