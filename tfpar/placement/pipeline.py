@@ -90,14 +90,22 @@ class Pipeline:
     """Runs a StagedModel's stage groups on their devices (see module docstring)."""
 
     def __init__(self, model, plan: StagePlan, micro_batches: int = 1, schedule: str = "gpipe",
-                 remat: bool | str = False, record: bool = False):
+                 remat: bool | str = False, record: bool = False, unit_times=None):
+        """`unit_times`: seconds per unit kind, or per (kind, device), from a recorded step
+        (`timeline.unit_times(pipe.timings)`): zb-h1 then orders its units for those times
+        (profile-guided) instead of for F = B = W."""
         check(plan, micro_batches, schedule, remat, record)
+        if unit_times is not None and schedule not in schedules.SPLIT_BACKWARD:
+            raise PlacementError(f"unit_times shape only the zb-h1 order; schedule={schedule!r} "
+                                 "has a fixed order: leave unit_times out.")
         self.model, self.plan, self.micro_batches = model, plan, micro_batches
         self.schedule, self.remat, self.record = schedule, REMAT[remat], record
         layers = dict(model.stages())
         self.groups = [[layers[n] for n in g.names] for g in plan.groups]
         self.devices = len(plan.stage_devices)
-        self.order = schedules.order(schedule, self.devices, len(self.groups), micro_batches)
+        self.unit_times = dict(unit_times or schedules.NOMINAL)
+        self.order = schedules.order(schedule, self.devices, len(self.groups), micro_batches,
+                                     self.unit_times)
         self.split = schedule in schedules.SPLIT_BACKWARD
         self._sequence = self._data_order()
         self.timings_by_replica: dict[int, tf.Tensor] = {}
@@ -112,6 +120,12 @@ class Pipeline:
     def bubble_theory(self) -> float:
         """This schedule's bubble at equal unit durations (tfpar.placement.schedules)."""
         return schedules.bubble_theory(self.schedule, self.devices, len(self.groups), self.micro_batches)
+
+    def bubble_replayed(self, unit_times) -> float:
+        """This order's bubble when every unit lasts its `unit_times` (by kind or (kind,
+        device); a full backward is B + W): what the order alone costs at those times."""
+        span = schedules.simulate(self.order, len(self.groups), unit_times, split_backward=True)
+        return schedules.bubble(span, self.devices)
 
     def _data_order(self) -> list[tuple]:
         """All units, each after its inputs' units and its device's previous unit."""

@@ -37,14 +37,16 @@ NOMINAL = {"F": 1.0, "B": 1.0, "W": 1.0}
 Unit = tuple  # (kind, group, micro-batch)
 
 
-def order(schedule: str, devices: int, groups: int, micro_batches: int) -> list[list[Unit]]:
-    """Per device, its units in the order it runs them."""
+def order(schedule: str, devices: int, groups: int, micro_batches: int,
+          durations: Mapping = NOMINAL) -> list[list[Unit]]:
+    """Per device, its units in the order it runs them. `durations` (seconds by kind, or by
+    (kind, device)) shape the zb-h1 order; the other schedules' orders are fixed."""
     if schedule not in SCHEDULES:
         raise PlacementError(f"Unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}.")
     if schedule == "interleaved":
         return [_interleaved(d, devices, groups // devices, micro_batches) for d in range(devices)]
     if schedule == "zb-h1":
-        return _zb_h1(devices, micro_batches)
+        return _zb_h1(devices, micro_batches, durations)
     m_all = range(micro_batches)
     if schedule in ("naive", "gpipe"):
         return [[("F", d, m) for m in m_all] + [("B", d, m) for m in reversed(m_all)]
@@ -76,37 +78,67 @@ def _interleaved(d: int, devices: int, chunks: int, micro_batches: int) -> list[
         [unit("B", k) for k in range(total - warm, total) if k >= 0]
 
 
-def _zb_h1(devices: int, micro_batches: int) -> list[list[Unit]]:
-    """Greedy list schedule at unit durations: B when its gradient has arrived, else F while
-    fewer than S - d micro-batches are held (F done, W not), else the oldest deferred W."""
+def _zb_h1(devices: int, micro_batches: int, durations: Mapping = NOMINAL) -> list[list[Unit]]:
+    """The zero-bubble order for these unit durations: a greedy list schedule (B when its
+    gradient has arrived, else F within the memory limit, else the oldest deferred W) tried
+    with a few policies; the one whose replay ends first wins (the fewest activations held
+    on a tie). With measured durations (`durations[(kind, device)]`, e.g. from
+    `timeline.unit_times`) this is a profile-guided order, as the paper's automatic schedule."""
+    best = None
+    for limit, lazy_w in ((_ZB_MEMORY_1F1B, False), (_ZB_MEMORY_1F1B, True),
+                          (_ZB_MEMORY_H1, False), (_ZB_MEMORY_H1, True)):
+        orders = _zb_greedy(devices, micro_batches, durations, limit, lazy_w)
+        span = simulate(orders, devices, durations, split_backward=True)
+        key = (round(max(end for _, end in span.values()), 9), limit is _ZB_MEMORY_H1)
+        if best is None or key < best[0]:
+            best = (key, orders)
+    return best[1]
+
+
+def _ZB_MEMORY_1F1B(d: int, devices: int) -> int:
+    return devices - d  # micro-batches held (F done, W not): exactly 1F1B's
+
+
+def _ZB_MEMORY_H1(d: int, devices: int) -> int:
+    return devices  # every device may hold what device 0 holds: the same peak as 1F1B
+
+
+def _duration(durations: Mapping, kind: str, d: int) -> float:
+    return durations.get((kind, d), durations.get(kind, NOMINAL[kind]))
+
+
+def _zb_greedy(devices, micro_batches, durations, limit, lazy_w) -> list[list[Unit]]:
+    """The device that can start something earliest goes next (see `_zb_choice`)."""
     orders: list[list[Unit]] = [[] for _ in range(devices)]
     done: dict[Unit, float] = {}
     free = [0.0] * devices
     state = [{"f": 0, "b": 0, "w": 0} for _ in range(devices)]
     while len(done) < 3 * devices * micro_batches:
-        # the device that can start something earliest goes next
         best = None
         for d in range(devices):
-            choice = _zb_choice(d, devices, micro_batches, state[d], done, free[d])
+            choice = _zb_choice(d, devices, micro_batches, state[d], done, free[d],
+                                limit(d, devices), _duration(durations, "W", d) if lazy_w else 0.0)
             if choice and (best is None or choice[0] < best[0]):
                 best = choice + (d,)
         if best is None:
             raise PlacementError("zb-h1 order deadlocked (a bug in the schedule).")
         start, unit, d = best
-        done[unit] = free[d] = start + NOMINAL[unit[0]]
+        done[unit] = free[d] = start + _duration(durations, unit[0], d)
         state[d][unit[0].lower()] += 1
         orders[d].append(unit)
     return orders
 
 
-def _zb_choice(d, devices, micro_batches, st, done, free):
-    """(start time, unit) of device d's next unit, by priority B > F > W, or None."""
+def _zb_choice(d, devices, micro_batches, st, done, free, held, w_slack):
+    """(start time, unit) of device d's next unit, by priority B > F > W, or None. With a
+    `w_slack` (W's duration), a W is not started when it would delay a B or F that is due
+    before it ends: the device waits for that one instead."""
     options = []
     f, b, w = st["f"], st["b"], st["w"]
     if b < f:
         ready = max(done[("F", d, b)], done.get(("B", d + 1, b), float("inf")) if d < devices - 1 else 0)
         options.append((max(free, ready), 0, ("B", d, b)))
-    if f < micro_batches and f - b < devices - d and f - w < devices:
+    if f < micro_batches and f - b < devices - d and f - w < held:
         ready = done.get(("F", d - 1, f), float("inf")) if d > 0 else 0.0
         options.append((max(free, ready), 1, ("F", d, f)))
     if w < b:
@@ -114,6 +146,9 @@ def _zb_choice(d, devices, micro_batches, st, done, free):
     options = [o for o in options if o[0] != float("inf")]
     if not options:
         return None
+    urgent = [o for o in options if o[1] < 2 and o[0] < free + w_slack]
+    if w_slack and urgent:
+        options = urgent
     start = min(o[0] for o in options)
     return start, min(o for o in options if o[0] == start)[2]
 

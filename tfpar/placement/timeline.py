@@ -42,6 +42,26 @@ def summarize(timings: np.ndarray, theory: float | None = None) -> dict:
                                for k in sorted(set(kind.tolist()))}}
 
 
+def unit_times(timings: np.ndarray) -> dict:
+    """Median seconds of each unit kind on each device, {("F", d): s, ("B", d): s, ("W", d):
+    s}, from recorded timings (a schedule without W units gets W = 0: its B is the whole
+    backward). Feed them to `Pipeline(..., schedule="zb-h1", unit_times=...)`.
+
+    Example:
+        >>> timeline.unit_times([[0, 0, 0, 0.0, 0.5, 0], [0, 0, 1, 0.5, 1.0, 0]])
+        {('F', 0): 0.5, ('B', 0): 0.5, ('W', 0): 0.0}
+    """
+    timings = np.asarray(timings, dtype=np.float64)
+    found: dict = {}
+    for d, _, k, start, end, *_ in timings:
+        found.setdefault(("FBW"[int(k)], int(d)), []).append(end - start)
+    times = {key: float(np.median(v)) for key, v in found.items()}
+    for d in {int(d) for d in timings[:, 0]}:
+        times.setdefault(("W", d), 0.0)
+        times.setdefault(("B", d), 0.0)
+    return times
+
+
 def _bars(ax, timings: np.ndarray, t0: float, scale: float = 1000.0) -> list:
     """One bar per unit (label: micro-batch, and chunk for interleaved groups), in start
     order; returns [(bar, text, start, end)]."""
