@@ -56,6 +56,39 @@ def test_compressed_phase_moves_from_adam_and_keeps_both_errors(weights):
     assert "CollectiveAllToAllV2" in ops
 
 
+@pytest.mark.slow
+def test_state_restores_and_the_errors_restart_at_zero_under_another_replica_count(
+        tmp_path, weights, capfd):
+    """m, v and the step restore exactly; the error buffers restore as their mean over
+    replicas (the checkpoint rule) for the same count, and start at zero, said once, under
+    another count (they are padded per count; DeepSpeed resets them on every load)."""
+    onebit = C.OneBitAdam(freeze_step=2)
+    train(mirrored(2), weights, lambda: keras.optimizers.SGD(0.01), onebit, steps=4)
+    state = lambda ob: [*ob.m, *ob.v, ob.iterations]  # noqa: E731
+    saved = [v.numpy() for v in state(onebit)]
+    errors = [e.numpy() for e in (onebit.worker_error, onebit.server_error)]  # mean over replicas
+    assert all(np.abs(e).max() > 0 for e in errors)
+    path = tf.train.Checkpoint(compression=onebit).save(str(tmp_path / "ckpt"))
+
+    for variable in [*state(onebit), onebit.worker_error, onebit.server_error]:
+        variable.assign(tf.zeros_like(variable))
+    tf.train.Checkpoint(compression=onebit).restore(path).assert_consumed()
+    for value, expected in zip([*state(onebit), onebit.worker_error, onebit.server_error], saved + errors):
+        np.testing.assert_allclose(value.numpy(), expected, rtol=1e-6)
+
+    strategy = mirrored(4)
+    other = C.OneBitAdam(freeze_step=2)
+    _, trainer, _ = train(strategy, weights, lambda: keras.optimizers.SGD(0.01), other, steps=0)
+    tf.train.Checkpoint(compression=other).restore(path).expect_partial()
+    for value, expected in zip(state(other), saved):
+        np.testing.assert_array_equal(value.numpy(), expected)
+    assert not np.any(other.worker_error.numpy()) and other.server_error.shape != onebit.server_error.shape
+    capfd.readouterr()
+    trainer.fit(strategy.experimental_distribute_dataset(mlp_data(steps=2)), steps=6, start_step=4)
+    said = capfd.readouterr().err  # two compressed steps: said once
+    assert said.count("checkpointed with 2 replicas; this run has 4 so they start at zero") == 1
+
+
 def test_two_phase_error_compensation_identities():
     """sent + new worker error == momentum + old worker error (per replica, per chunk), and
     the server side keeps what its re-compression of the average missed."""

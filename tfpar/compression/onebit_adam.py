@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import math
+import sys
 from typing import Sequence
 
 import tensorflow as tf
@@ -69,8 +70,25 @@ class OneBitAdam(Compression):
         self.iterations = _per_replica(tf.constant(0.0), "iterations")
         size = sum(int(v.shape.num_elements()) for v, c in zip(variables, self.compressed) if c)
         self.padded = two_phase.padded_size(size, self.replicas) if size else 0
-        self.worker_error = _per_replica(tf.zeros([self.padded]), "worker_error")
-        self.server_error = _per_replica(tf.zeros([self.padded // self.replicas]), "server_error")
+        # The error buffers are padded for R replicas, so they are checkpointed under a name
+        # with R in it: under another replica count they start at zero (DeepSpeed resets them
+        # on every load) instead of failing on their shapes; m, v and the step restore.
+        errors = tf.Module(name="errors")
+        errors.worker = _per_replica(tf.zeros([self.padded]), "worker_error")
+        errors.server = _per_replica(tf.zeros([self.padded // self.replicas]), "server_error")
+        self._errors_name = f"errors_for_{self.replicas}_replicas"
+        setattr(self, self._errors_name, errors)
+        self.error_replicas = _per_replica(tf.constant(float(self.replicas)), "error_replicas")
+
+    @property
+    def worker_error(self) -> tf.Variable:
+        """The sending side's error (this replica's), [padded]."""
+        return getattr(self, self._errors_name).worker
+
+    @property
+    def server_error(self) -> tf.Variable:
+        """The receiving side's error for this replica's chunk, [padded / R]."""
+        return getattr(self, self._errors_name).server
 
     def boundaries(self) -> tuple[int, ...]:
         return (self.freeze_step,)
@@ -139,8 +157,23 @@ class OneBitAdam(Compression):
             self.v[i].assign(v)
             result[i] = tf.sqrt(1 - tf.pow(self.beta_2, t)) / b1 * m / (tf.sqrt(v) + self.epsilon)
         if not warm and self.padded:
+            self._say_if_errors_were_reset(replicas)
             self._compressed_step(context, grads, replicas, communicate, t, result)
         return result
+
+    def _say_if_errors_were_reset(self, replicas: int) -> None:
+        """After a restore from another replica count (its count is checkpointed), replica 0
+        says once that the error buffers started at zero."""
+        def say():
+            tf.print("tfpar: onebit_adam's error buffers were checkpointed with",
+                     tf.cast(self.error_replicas, tf.int32), "replicas; this run has", replicas,
+                     "so they start at zero (momentum, variance and step were restored).",
+                     output_stream=sys.stderr)
+            return tf.constant(0)
+        first = tf.equal(tf.distribute.get_replica_context().replica_id_in_sync_group, 0)
+        stale = tf.not_equal(self.error_replicas, float(replicas))
+        tf.cond(tf.logical_and(first, stale), say, lambda: tf.constant(0))
+        self.error_replicas.assign(float(replicas))
 
     def _compressed_step(self, context, grads, replicas, communicate, t, result) -> None:
         index = [i for i, c in enumerate(self.compressed) if c]
