@@ -72,3 +72,16 @@ def pytest_collection_modifyitems(config, items):
         if (item.get_closest_marker("multiprocess") or path in SLOW_FILES or node in SLOW
                 or with_parameters in SLOW):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def without_grappler():
+    """Grappler (TensorFlow's graph optimizer) off for this test: a large traced graph (a
+    pipeline of 4 stages x 8 micro-batches) is instantiated about twice as fast, and numbers
+    do not depend on it. Tests of order, placement or timing keep it on."""
+    import tensorflow as tf
+
+    before = tf.config.optimizer.get_experimental_options().get("disable_meta_optimizer", False)
+    tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
+    yield
+    tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": before})

@@ -1,7 +1,7 @@
 """Runs every fault of the suite and prints the table: fault, injected, survived, steps
 lost, data lost.
 
-    python tests/faults/run_suite.py            # about 5 minutes on 2 cores
+    python tests/faults/run_suite.py            # about 15 minutes on 2 cores (root: network faults)
 
 The two multi-worker faults are run here directly (their numbers are measured: the step
 the worker was hit at, the step the run resumed from, the final weights against an
@@ -42,6 +42,22 @@ IN_PROCESS = {
         ("SIGKILL of a parameter-server worker", "worker killed at step 100",
          "0 (the chief reschedules)", "that worker's in-flight steps are redone"),
 }
+# network faults between namespace hosts (root only; skipped elsewhere, and then "NO" below).
+# Time to detect a dead host and to resume: benchmarks/hosts.py --parts=faults (docs/faults.md)
+NETWORK = {
+    "tests/test_hosts.py::test_200ms_latency_and_1pct_loss_give_the_clean_links_weights":
+        ("200 ms per direction and 1% loss on every link, whole run", "userspace wire (no netem)",
+         "0", "0 (same weights as a clean link)"),
+    "tests/test_hosts.py::test_a_link_down_for_20s_ends_with_the_uninterrupted_weights":
+        ("a link down for 20 s mid-run", "host 1's switch port down after ckpt-20",
+         "steps since ckpt-20 if the group failed", "0 (uninterrupted run's weights)"),
+    "tests/test_hosts.py::test_a_host_gone_for_good_stops_its_peer_in_time_and_the_rest_resume":
+        ("a host gone for good", "host 1's cable pulled after ckpt-100",
+         "steps since ckpt-100", "0 (the rest resume alone)"),
+    "tests/test_hosts.py::test_a_stranger_sending_garbage_to_a_worker_does_not_disturb_training":
+        ("a stranger sends garbage to a worker's port", "64 KiB random + HTTP/2 preface every 50 ms",
+         "0", "0 (undisturbed weights)"),
+}
 
 
 def main() -> None:
@@ -60,10 +76,10 @@ def main() -> None:
                      "yes (failed fast, no hang)" if orphan["survived"] else "NO",
                      "n/a (restart the group)", "0",
                      f"the peer exited {seconds:.1f} s after the kill" if seconds else "hung"))
-    tests = list(IN_PROCESS)
+    tests = {**IN_PROCESS, **NETWORK}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *tests],
                          cwd=HERE.parents[1], capture_output=True, text=True)
-    for test, (fault, injected, steps, data) in IN_PROCESS.items():
+    for test, (fault, injected, steps, data) in tests.items():
         passed = f"PASSED {test}" in run.stdout or any(
             line.startswith(f"PASSED {test}[") for line in run.stdout.splitlines())
         rows.append((fault, injected, "yes" if passed else "NO", steps, data, test.split("::")[1]))
