@@ -136,10 +136,10 @@ class Trainer:
         self.aggregator = _aggregator_for(self.strategy, aggregator, compression)
         self.aggregator.check_optimizer(optimizer)
         is_async = parameter_server.is_parameter_server(self.strategy)
-        self._async = parameter_server.AsyncSteps(self.strategy) if is_async else None
         self.placement = placement
-        if placement is not None:
+        if placement is not None:  # before a coordinator starts: refused early
             self._check_placement(placement)
+        self._async = parameter_server.AsyncSteps(self.strategy) if is_async else None
         self.xla = (True if xla is None else bool(xla)) and placement is None
         self.clip_norm = _clip_norm(optimizer)
         private_api.check_optimizer(optimizer, sharded_updates=is_async)
@@ -175,7 +175,7 @@ class Trainer:
                 raise TrainerError("A plan on TPU cores (placement.tpu_cores.logical) trains under "
                                    "placement.tpu_cores.tpu_strategy(...), a TPUStrategy.")
             return  # every replica runs the same plan on its own cores
-        if self._async:
+        if parameter_server.is_parameter_server(self.strategy):
             raise TrainerError("Layer placement does not run under parameter_server; use a plan "
                                "(or a hybrid plan.replicate(...)) under its own plan.strategy, or "
                                "one pipeline per worker under multi_worker_mirrored.")

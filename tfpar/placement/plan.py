@@ -182,6 +182,15 @@ class StagePlan:
                 f"{local} replica(s) on each worker: give each worker one pipeline per local "
                 f"replica (here {local}: " + ("the plan as built, without replicate()" if local == 1
                                               else f"plan.replicate(<{local} x stages devices>)") + ").")
+        named = [d for d in self.devices if tf.DeviceSpec.from_string(d).job is not None
+                 or tf.DeviceSpec.from_string(d).task is not None]
+        if named:
+            spec = tf.DeviceSpec.from_string(named[0])
+            local_name = tf.DeviceSpec(device_type=spec.device_type, device_index=spec.device_index)
+            raise PlacementError(
+                f"Under multi_worker_mirrored a plan's devices are each worker's own: write "
+                f"{local_name.to_string()!r}, not {named[0]!r} (every worker runs the same pipeline "
+                "on its own devices).")
         if local > 1:  # each replica's copy is found by its strategy device (_replica_here)
             for r, (row, device) in enumerate(zip(self.replica_devices, strategy.extended.worker_devices)):
                 if not _same_device(row[0], device):
@@ -189,12 +198,22 @@ class StagePlan:
                         f"Pipeline replica {r} starts on {row[0]} but multi_worker_mirrored's local "
                         f"replica {r} is {device}: order the devices given to plan.replicate so "
                         "that row r's first stage is the strategy's r-th local device.")
-        named = [d for d in self.devices if tf.DeviceSpec.from_string(d).job is not None
-                 or tf.DeviceSpec.from_string(d).task is not None]
-        if named:
+        self._check_local_devices(strategy.extended.worker_devices[0])
+
+    def _check_local_devices(self, worker_device: str) -> None:
+        """Every stage device exists on this worker (else TensorFlow's soft placement would
+        quietly put the stage on the replica's device)."""
+        worker = tf.DeviceSpec.from_string(worker_device)
+        here = [d.name for d in tf.config.list_logical_devices()
+                if (tf.DeviceSpec.from_string(d.name).job, tf.DeviceSpec.from_string(d.name).task)
+                in ((None, None), (worker.job, worker.task))]
+        missing = [d for d in dict.fromkeys(self.devices) if not any(_same_device(d, h) for h in here)]
+        if missing:
             raise PlacementError(
-                f"Under multi_worker_mirrored a plan's devices are each worker's own: write "
-                f"'/cpu:1', not {named[0]!r} (every worker runs the same pipeline on its devices).")
+                f"This worker has no {', '.join(missing)} (it has {', '.join(here)}): split its "
+                "devices before TensorFlow starts, on every worker, e.g. tf.config."
+                "set_logical_device_configuration(tf.config.list_physical_devices('CPU')[0], "
+                "[tf.config.LogicalDeviceConfiguration()] * 2) before tfpar.create_strategy.")
 
     def _place_variable(self, next_creator, **kwargs):
         stage = building_stage()
