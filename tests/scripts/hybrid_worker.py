@@ -3,10 +3,11 @@ workers (multi_worker_mirrored, one replica per worker) x a 2-stage pipeline on 
 worker's two logical CPUs, trained by tfpar.Trainer twice in this one process: without
 compression, then with TopK(0.1) (error feedback, an all-gather across workers).
 
-argv: INIT.npz OUT_DIR. Writes OUT_DIR/{run}_{task}.npz (final weights) and prints, per
-run, one line `PLACED {json}`: every variable's stage device, its device and its momentum
-slot's device, and the layer name of each stage (to read the placement log: TensorFlow's
-device placement log is on, its `op: (Type): device` lines go to stderr).
+argv: INIT.npz OUT_DIR. Writes OUT_DIR/{run}_{task}.npz (final weights) and, in
+OUT_DIR/worker{task}.log (all this worker's stdout and stderr), per run one line
+`PLACED {json}`: every variable's stage device, its device and its momentum slot's device,
+each stage's device and layer name; TensorFlow's device placement log is on, and its
+`op: (Type): device` lines say where every op of the executed graphs ran.
 
 The test process imports the helpers (`small_gpt`, `per_worker`, `train`) for its own
 references: one device, and the same pipeline replicated twice in one process.
@@ -68,10 +69,18 @@ def placed(model, plan, trainer) -> dict:
             slot = slots[v.path.replace("/", "_") + "_momentum"]
             variables.append({"path": v.path, "stage": plan.device_of(name),
                               "device": v.value.device, "slot": slot.value.device})
-    return {"variables": variables, "layers": {name: layer.name for name, layer in model.stages()}}
+    return {"variables": variables, "stages": {name: plan.device_of(name) for name, _ in model.stages()},
+            "layers": {name: layer.name for name, layer in model.stages()}}
 
 
 def main(init_path: str, out_dir: str) -> None:
+    # Everything this worker prints goes to a file: the placement log is tens of thousands of
+    # lines, and a pipe that the parent reads one worker at a time would fill and stall this
+    # worker mid-collective (its peer then reports a heartbeat timeout).
+    task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    log = os.open(f"{out_dir}/worker{task}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"  # the placement log is INFO
     import tensorflow as tf
 
