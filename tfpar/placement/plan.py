@@ -5,7 +5,9 @@ A StagedModel (tfpar.models) is a chain of named stages (`embed`, `blocks.0.attn
 Plans are written by hand or balanced by parameter count, FLOPs or measured time (see
 tfpar.placement.costs), and printed as a table before training. `plan.replicate(devices)`
 makes a hybrid plan: R data-parallel copies of the pipeline, replica r on its own S devices,
-trained under `plan.strategy` (a MirroredStrategy, one replica per pipeline).
+trained under `plan.strategy` (a MirroredStrategy, one replica per pipeline). Across
+machines, `plan.scope(strategy)` builds under multi_worker_mirrored: data parallel over the
+workers, the plan's pipeline on each worker's own devices.
 
 Example:
     >>> plan = manual(model, {"embed,blocks.0.attn-blocks.0.mlp": "/cpu:0",
@@ -146,7 +148,8 @@ class StagePlan:
 
         Raises:
             PlacementError: `strategy` is not multi-worker mirrored, or does not run one
-                replica per pipeline of this plan on each worker, or the plan names a job.
+                replica per pipeline of this plan on each worker, or the plan names a job,
+                or a stage device is missing on this worker (see check_multi_worker).
 
         Example:
             >>> plan = balanced(GPT.from_preset("tiny"), ["/cpu:0", "/cpu:1"])
