@@ -304,3 +304,71 @@ def test_a_run_started_on_one_host_resumes_on_two_at_its_exact_step(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:]
     assert "resuming from step 20" in outs[0]  # the chief says it; both restore the same file
     assert (tmp_path / "checkpoints" / "ckpt-40.index").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_hybrid_over_hosts_x_pipeline_on_each_hosts_cpus(tmp_path):
+    """Data parallel over 2 hosts (multi_worker_mirrored, one replica each) x a 2-stage
+    pipeline on each host's 2 logical CPUs. Uncompressed, it equals one device; with
+    TopK(0.1) (lossy: error feedback, an all-gather across hosts) it equals the same
+    compression on the same 2 x 2 hybrid inside one process, which is what a lossy run can
+    be held to. Every variable and momentum slot is on its host's stage CPU, and the placer's
+    log puts every matrix product of a stage, forward and backward, there too."""
+    import json
+    import re
+
+    import keras
+    import tensorflow as tf
+    from scripts import hybrid_worker
+
+    from tfpar import placement
+
+    keras.utils.set_random_seed(0)
+    template = hybrid_worker.small_gpt()
+    template.build((None, hybrid_worker.SEQ))
+    initial = template.get_weights()
+    np.savez(tmp_path / "init.npz", **{f"w{i}": w for i, w in enumerate(initial)})
+    with Hosts(2, rate="1gbit") as hosts:
+        results = run_workers(hosts, "hybrid_worker.py", str(tmp_path / "init.npz"), str(tmp_path))
+    logs = [(tmp_path / f"worker{i}.log").read_text() for i in range(2)]  # all each worker printed
+    for result, log in zip(results, logs):
+        assert result.returncode == 0, log[-3000:]
+
+    template.set_weights(initial)  # one device, uncompressed
+    hybrid_worker.train(template, tf.distribute.get_strategy())
+    plan = placement.balanced(template, ["/cpu:0", "/cpu:1"]).replicate(
+        ["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"])  # the same 2 x 2 hybrid in this process
+    with plan.scope() as strategy:
+        local = hybrid_worker.small_gpt()
+        local.build((None, hybrid_worker.SEQ))
+    local.set_weights(initial)
+    hybrid_worker.train(local, strategy, placement.Pipeline(local, plan, micro_batches=2, schedule="1f1b"),
+                        topk=hybrid_worker.RUNS["topk"])
+    references = {"none": template.get_weights(), "topk": local.get_weights()}
+    for run, reference in references.items():
+        files = [np.load(tmp_path / f"{run}_{i}.npz") for i in range(2)]
+        workers = [[f[f"arr_{i}"] for i in range(len(f.files))] for f in files]
+        for a, b in zip(*workers):
+            np.testing.assert_array_equal(a, b)  # both hosts apply the same sum
+        for actual, expected in zip(workers[0], reference):
+            np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5, err_msg=run)
+    lossy = max(np.abs(a - b).max() for a, b in zip(references["topk"], references["none"]))
+    assert lossy > 1e-3  # TopK(0.1) really changed the updates: the check above is not trivial
+
+    def on_cpu(task: int, device: str) -> str:  # "/cpu:1" on host `task`, as TensorFlow names it
+        return f"/job:worker/replica:0/task:{task}/device:CPU:{tf.DeviceSpec.from_string(device).device_index}"
+
+    for task, log in enumerate(logs):
+        placed = [json.loads(line[7:]) for line in log.splitlines() if line.startswith("PLACED ")]
+        assert [p["run"] for p in placed] == list(hybrid_worker.RUNS) and placed[0]["replicas"] == 2
+        for p in placed:
+            for v in p["variables"]:
+                assert v["device"] == v["slot"] == on_cpu(task, v["stage"]), (p["run"], v)
+        products = re.findall(r"^(\S+): \((?:MatMul|BatchMatMulV2|Einsum)\): (\S+)$", log, re.M)
+        for stage, layer in placed[0]["layers"].items():
+            if stage == "embed":
+                continue  # a gather, no matrix product
+            mine = [(name, device) for name, device in products if re.search(rf"/{layer}_\d+/", name)]
+            assert any("gradient_tape" in n for n, _ in mine) and any("gradient_tape" not in n for n, _ in mine)
+            assert {device for _, device in mine} == {on_cpu(task, placed[0]["stages"][stage])}, (task, stage)

@@ -311,3 +311,61 @@ def test_placement_read_from_the_executed_graphs(schedule):
         assert set(forward) == set(backward) == {info["stages"][stage]}, stage
     updates = [int(dev) for name, op, dev in placed if op == "AssignSubVariableOp" and "/sgd/" in name]
     assert {i: updates.count(i) for i in (0, 1)} == {int(k): v for k, v in info["variables_per_device"].items()}
+
+
+def _strategy_like(cls, worker_devices, replicas_in_sync=2):
+    """An object of strategy class `cls` answering only `extended.worker_devices` and
+    `num_replicas_in_sync`: the placement checks run before anything else touches it (a
+    real multi-worker strategy needs a fresh process; tests/test_hosts.py trains one)."""
+    import types
+
+    strategy = cls.__new__(cls)
+    strategy._extended = types.SimpleNamespace(worker_devices=tuple(worker_devices),
+                                               _num_replicas_in_sync=replicas_in_sync)
+    return strategy
+
+
+def test_hybrid_across_workers_refuses_what_cannot_run():
+    """One pipeline per local replica of multi_worker_mirrored, on the worker's own devices,
+    which must exist; everything else is refused with what works. (Accepted plans train in
+    tests/test_hosts.py::test_hybrid_over_hosts_x_pipeline_on_each_hosts_cpus.)"""
+    import keras
+
+    from tfpar.loop import Trainer, TrainerError
+
+    model = small_gpt()
+    model.build((None, 8))
+    plan = placement.balanced(model, DEVICES[:2])
+    worker0 = "/job:worker/replica:0/task:0/device:CPU:0"
+    mwms = _strategy_like(tf.distribute.MultiWorkerMirroredStrategy, [worker0])
+    plan.check_multi_worker(mwms)  # one pipeline per worker on /cpu:0, /cpu:1: fine
+
+    def trainer(pipe_plan, strategy):
+        return Trainer(model, keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(),
+                       strategy=strategy, placement=placement.Pipeline(model, pipe_plan, micro_batches=2))
+
+    with pytest.raises(TrainerError, match=r"2 pipeline replica\(s\) but multi_worker_mirrored runs 1 "
+                                           r"replica\(s\) on each worker.*without replicate\(\)"):
+        trainer(plan.replicate(DEVICES), mwms)
+    named = placement.manual(model, {"embed-blocks.0.mlp": "/cpu:0",
+                                     "blocks.1.attn-head": "/job:worker/task:1/cpu:1"})
+    with pytest.raises(placement.PlacementError, match="write '/device:CPU:1', not '/job:worker/task:1"):
+        with named.scope(mwms):
+            pass
+    with pytest.raises(placement.PlacementError, match=r"This worker has no /cpu:7 .*set_logical_device"):
+        placement.balanced(model, ["/cpu:0", "/cpu:7"]).check_multi_worker(mwms)
+    two_local = _strategy_like(tf.distribute.MultiWorkerMirroredStrategy, [worker0, worker0[:-1] + "1"], 4)
+    with pytest.raises(placement.PlacementError, match="Pipeline replica 1 starts on /cpu:2 but"):
+        plan.replicate(DEVICES).check_multi_worker(two_local)
+    plan.replicate(["/cpu:0", "/cpu:2", "/cpu:1", "/cpu:3"]).check_multi_worker(two_local)  # lined up
+    mirrored = _strategy_like(tf.distribute.MirroredStrategy, DEVICES[:2])
+    with pytest.raises(placement.PlacementError, match="takes a multi_worker_mirrored strategy; got "
+                                                       "MirroredStrategy"):
+        with plan.scope(mirrored):
+            pass
+    with pytest.raises(TrainerError, match=r"1 pipeline replica\(s\) but the strategy has 2.*one "
+                                           r"pipeline per worker under multi_worker_mirrored"):
+        trainer(plan, mirrored)
+    ps = _strategy_like(tf.distribute.experimental.ParameterServerStrategy, [worker0])
+    with pytest.raises(TrainerError, match="does not run under parameter_server"):
+        trainer(plan, ps)

@@ -36,6 +36,7 @@ from tfpar.loop.aggregation import AllReduce, GradientAggregator, NoReduce
 from tfpar.loop.nonfinite import POLICIES as NONFINITE_POLICIES
 from tfpar.loop.nonfinite import NonFiniteGuard
 from tfpar.placement import tpu_cores
+from tfpar.placement.plan import PlacementError, is_multi_worker_mirrored
 from tfpar.strategy import keras_fixes, private_api
 
 
@@ -135,10 +136,10 @@ class Trainer:
         self.aggregator = _aggregator_for(self.strategy, aggregator, compression)
         self.aggregator.check_optimizer(optimizer)
         is_async = parameter_server.is_parameter_server(self.strategy)
-        self._async = parameter_server.AsyncSteps(self.strategy) if is_async else None
         self.placement = placement
-        if placement is not None:
+        if placement is not None:  # before a coordinator starts: refused early
             self._check_placement(placement)
+        self._async = parameter_server.AsyncSteps(self.strategy) if is_async else None
         self.xla = (True if xla is None else bool(xla)) and placement is None
         self.clip_norm = _clip_norm(optimizer)
         private_api.check_optimizer(optimizer, sharded_updates=is_async)
@@ -174,16 +175,24 @@ class Trainer:
                 raise TrainerError("A plan on TPU cores (placement.tpu_cores.logical) trains under "
                                    "placement.tpu_cores.tpu_strategy(...), a TPUStrategy.")
             return  # every replica runs the same plan on its own cores
-        if self._async:
+        if parameter_server.is_parameter_server(self.strategy):
             raise TrainerError("Layer placement does not run under parameter_server; use a plan "
-                               "(or a hybrid plan.replicate(...)) under its own plan.strategy.")
+                               "(or a hybrid plan.replicate(...)) under its own plan.strategy, or "
+                               "one pipeline per worker under multi_worker_mirrored.")
+        if is_multi_worker_mirrored(self.strategy):  # hybrid across machines
+            try:
+                placement.plan.check_multi_worker(self.strategy)
+            except PlacementError as error:
+                raise TrainerError(str(error)) from None
+            return
         if replicas != self.strategy.num_replicas_in_sync or (
                 replicas > 1 and self.strategy is not placement.plan.strategy):
             raise TrainerError(
                 f"This placement has {replicas} pipeline replica(s) but the strategy has "
                 f"{self.strategy.num_replicas_in_sync}: build and train a hybrid plan under its "
                 "own strategy (`with plan.scope() as strategy:` ... Trainer(strategy=strategy)), "
-                "a single pipeline under the default strategy.")
+                "a single pipeline under the default strategy, or one pipeline per worker under "
+                "multi_worker_mirrored (`with plan.scope(strategy):`).")
 
     # -- one replica ------------------------------------------------------------------
 

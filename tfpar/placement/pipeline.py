@@ -43,7 +43,7 @@ import tensorflow as tf
 from tfpar.models.blocks import recompute_attention_core
 from tfpar.placement import activations, schedules, tpu_cores
 from tfpar.strategy import private_api
-from tfpar.placement.plan import PlacementError, StagePlan
+from tfpar.placement.plan import PlacementError, StagePlan, is_multi_worker_mirrored
 from tfpar.placement.schedules import SCHEDULES
 
 REMAT = {False: None, None: None, "none": None, True: "full", "full": "full", "attention": "attention"}
@@ -148,10 +148,14 @@ class Pipeline:
             return 0
         context = tf.distribute.get_replica_context()
         replica = None if context is None else tf.get_static_value(context.replica_id_in_sync_group)
-        if replica is None or tf.distribute.get_strategy().num_replicas_in_sync != self.plan.replicas:
+        strategy = tf.distribute.get_strategy()
+        local = (len(strategy.extended.worker_devices) if is_multi_worker_mirrored(strategy)
+                 else strategy.num_replicas_in_sync)  # across workers: this worker's replicas
+        if replica is None or local != self.plan.replicas:
             raise PlacementError(f"A hybrid plan of {self.plan.replicas} replicas runs inside "
-                                 "plan.strategy.run (tfpar.Trainer does this).")
-        return int(replica)
+                                 "plan.strategy.run, or under multi_worker_mirrored with as many "
+                                 "replicas per worker (tfpar.Trainer does this).")
+        return int(replica) % local  # worker i's replicas follow those of workers 0..i-1
 
     def group_variables(self, s: int) -> list:
         return [v for layer in self.groups[s] for v in layer.trainable_variables]

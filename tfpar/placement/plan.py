@@ -5,7 +5,9 @@ A StagedModel (tfpar.models) is a chain of named stages (`embed`, `blocks.0.attn
 Plans are written by hand or balanced by parameter count, FLOPs or measured time (see
 tfpar.placement.costs), and printed as a table before training. `plan.replicate(devices)`
 makes a hybrid plan: R data-parallel copies of the pipeline, replica r on its own S devices,
-trained under `plan.strategy` (a MirroredStrategy, one replica per pipeline).
+trained under `plan.strategy` (a MirroredStrategy, one replica per pipeline). Across
+machines, `plan.scope(strategy)` builds under multi_worker_mirrored: data parallel over the
+workers, the plan's pipeline on each worker's own devices.
 
 Example:
     >>> plan = manual(model, {"embed,blocks.0.attn-blocks.0.mlp": "/cpu:0",
@@ -41,6 +43,11 @@ LOGICAL = "logical:"  # a TPU replica's logical core as a plan's "device" (see p
 
 def is_logical(device: str) -> bool:
     return device.startswith(LOGICAL)
+
+
+def is_multi_worker_mirrored(strategy: tf.distribute.Strategy) -> bool:
+    """Whether `strategy` is a MultiWorkerMirroredStrategy (also with one worker)."""
+    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,21 +137,86 @@ class StagePlan:
         return create_strategy("mirrored", devices=[row[0] for row in self.replica_devices])
 
     @contextlib.contextmanager
-    def scope(self) -> Iterator[tf.distribute.Strategy]:
+    def scope(self, strategy: tf.distribute.Strategy | None = None) -> Iterator[tf.distribute.Strategy]:
         """Build the model inside: each stage's variables are created on its device (in every
         replica, for a hybrid plan, whose strategy's scope this also enters).
+
+        `strategy`: a multi_worker_mirrored strategy to build under instead (hybrid across
+        machines: data parallel over workers, this plan's pipeline on each worker's local
+        devices). The plan then holds one pipeline per local replica and its devices are
+        local ("/cpu:1"): on worker i they mean "/job:worker/replica:0/task:i/cpu:1".
+
+        Raises:
+            PlacementError: `strategy` is not multi-worker mirrored, or does not run one
+                replica per pipeline of this plan on each worker, or the plan names a job,
+                or a stage device is missing on this worker (see check_multi_worker).
 
         Example:
             >>> plan = balanced(GPT.from_preset("tiny"), ["/cpu:0", "/cpu:1"])
             >>> with plan.scope():
             ...     model = GPT.from_preset("tiny")
+            >>> with plan.scope(tfpar.create_strategy("multi_worker_mirrored")) as strategy:
+            ...     model = GPT.from_preset("tiny")          # trainer: strategy=strategy
         """
-        with tf.variable_creator_scope(self._place_variable):  # outside: runs after the
-            if self.replicas == 1:                              # strategy's own creator
+        if strategy is not None:
+            self.check_multi_worker(strategy)
+        # The creator goes outside the strategy's scope: it runs after the strategy's own
+        # creator, so the stage's device wins over the replica's device.
+        with tf.variable_creator_scope(self._place_variable):
+            if strategy is None and self.replicas == 1:
                 yield tf.distribute.get_strategy()
                 return
-            with self.strategy.scope():
-                yield self.strategy
+            strategy = strategy or self.strategy
+            with strategy.scope():
+                yield strategy
+
+    def check_multi_worker(self, strategy: tf.distribute.Strategy) -> None:
+        """Refuses a multi-worker strategy this plan cannot run under, saying what can: one
+        pipeline (plan row) per local replica of multi_worker_mirrored, on local devices."""
+        if not is_multi_worker_mirrored(strategy):
+            raise PlacementError(
+                f"plan.scope(strategy) takes a multi_worker_mirrored strategy; got "
+                f"{type(strategy).__name__}. On one machine use `with plan.scope() as strategy:` "
+                "(a hybrid plan brings its own MirroredStrategy).")
+        local = len(strategy.extended.worker_devices)
+        if self.replicas != local:
+            raise PlacementError(
+                f"This plan has {self.replicas} pipeline replica(s) but multi_worker_mirrored runs "
+                f"{local} replica(s) on each worker: give each worker one pipeline per local "
+                f"replica (here {local}: " + ("the plan as built, without replicate()" if local == 1
+                                              else f"plan.replicate(<{local} x stages devices>)") + ").")
+        named = [d for d in self.devices if tf.DeviceSpec.from_string(d).job is not None
+                 or tf.DeviceSpec.from_string(d).task is not None]
+        if named:
+            spec = tf.DeviceSpec.from_string(named[0])
+            local_name = tf.DeviceSpec(device_type=spec.device_type, device_index=spec.device_index)
+            raise PlacementError(
+                f"Under multi_worker_mirrored a plan's devices are each worker's own: write "
+                f"{local_name.to_string()!r}, not {named[0]!r} (every worker runs the same pipeline "
+                "on its own devices).")
+        if local > 1:  # each replica's copy is found by its strategy device (_replica_here)
+            for r, (row, device) in enumerate(zip(self.replica_devices, strategy.extended.worker_devices)):
+                if not _same_device(row[0], device):
+                    raise PlacementError(
+                        f"Pipeline replica {r} starts on {row[0]} but multi_worker_mirrored's local "
+                        f"replica {r} is {device}: order the devices given to plan.replicate so "
+                        "that row r's first stage is the strategy's r-th local device.")
+        self._check_local_devices(strategy.extended.worker_devices[0])
+
+    def _check_local_devices(self, worker_device: str) -> None:
+        """Every stage device exists on this worker (else TensorFlow's soft placement would
+        quietly put the stage on the replica's device)."""
+        worker = tf.DeviceSpec.from_string(worker_device)
+        here = [d.name for d in tf.config.list_logical_devices()
+                if (tf.DeviceSpec.from_string(d.name).job, tf.DeviceSpec.from_string(d.name).task)
+                in ((None, None), (worker.job, worker.task))]
+        missing = [d for d in dict.fromkeys(self.devices) if not any(_same_device(d, h) for h in here)]
+        if missing:
+            raise PlacementError(
+                f"This worker has no {', '.join(missing)} (it has {', '.join(here)}): split its "
+                "devices before TensorFlow starts, on every worker, e.g. tf.config."
+                "set_logical_device_configuration(tf.config.list_physical_devices('CPU')[0], "
+                "[tf.config.LogicalDeviceConfiguration()] * 2) before tfpar.create_strategy.")
 
     def _place_variable(self, next_creator, **kwargs):
         stage = building_stage()
@@ -163,11 +235,9 @@ class StagePlan:
         copy under its device, replica r's stage-0 device."""
         if self.replicas == 1:
             return 0
-        here = tf.DeviceSpec.from_string(eager_context.context().device_name or "")
+        here = eager_context.context().device_name or ""
         for r, row in enumerate(self.replica_devices):
-            spec = tf.DeviceSpec.from_string(row[0])
-            if (spec.device_type or "").upper() == (here.device_type or "").upper() \
-                    and spec.device_index == here.device_index:
+            if _same_device(row[0], here):
                 return r
         raise PlacementError("Build a hybrid plan's model inside `with plan.scope():` (it enters "
                              "plan.strategy's scope, which creates one copy per replica).")
@@ -187,6 +257,12 @@ class StagePlan:
             rows.append((str(i), layers, f"{g.params:,}", f"{4 * g.params / 1e6:.2f} MB", devices))
         widths = [max(len(r[c]) for r in rows) for c in range(5)]
         return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows)
+
+
+def _same_device(a: str, b: str) -> bool:
+    """Same device type and index, whatever job or task either names."""
+    a, b = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
+    return (a.device_type or "").upper() == (b.device_type or "").upper() and a.device_index == b.device_index
 
 
 def stage_params(model) -> list[tuple[str, int]]:
