@@ -5,6 +5,7 @@ Root only (ip netns, tc): skipped with the reason elsewhere. CI runs as root.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import socket
 import subprocess
@@ -115,11 +116,9 @@ def run_workers(hosts: Hosts, script: str, *args: str, port: int = 23456, timeou
                          env=env(TF_CONFIG=_tf_config(hosts.addresses[:count], port, i)),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(count)]
-    outputs = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=timeout)
-        outputs.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, ""))
-    return outputs
+    with concurrent.futures.ThreadPoolExecutor(len(procs)) as pool:  # every pipe read at once:
+        outs = list(pool.map(lambda p: p.communicate(timeout=timeout)[0], procs))  # a full one stalls its worker
+    return [subprocess.CompletedProcess(p.args, p.returncode, out, "") for p, out in zip(procs, outs)]
 
 
 def _assert_like_one_process(tmp_path, results, count: int, names=("worker", "loop")) -> None:

@@ -89,12 +89,8 @@ def main(init_path: str, out_dir: str) -> None:
     import tfpar
     from tfpar import placement
 
-    # Two logical CPUs on this worker, split before TensorFlow starts. (Not virtual_devices=2
-    # nor runtime.split_devices(2): they list the devices afterwards, which starts TensorFlow,
-    # and a multi-worker strategy must be created before that.)
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-    strategy = tfpar.create_strategy("multi_worker_mirrored", connect_timeout_s=60)
+    # Two logical CPUs on this worker, split before TensorFlow starts (the strategy starts it).
+    strategy = tfpar.create_strategy("multi_worker_mirrored", virtual_devices=2, connect_timeout_s=60)
     info = tfpar.describe(strategy)
     saved = np.load(init_path)
     initial = [saved[f"w{i}"] for i in range(len(saved.files))]

@@ -36,8 +36,10 @@ def ensure_not_started(what: str) -> None:
 def split_devices(count: int, gpu_memory_mb: int = 1024) -> list[str]:
     """Splits each GPU (or, without GPUs, the CPU) into `count` logical devices.
 
-    Returns the logical device names. Idempotent: asking again for the split that is
-    already in place is fine even after TensorFlow has started.
+    Returns the logical device names ("/device:CPU:0", ...; full names once TensorFlow has
+    started), without starting TensorFlow: `create_strategy("multi_worker_mirrored",
+    virtual_devices=2)` can follow. Idempotent: asking again for the split that is already
+    in place is fine even after TensorFlow has started.
     """
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
         raise StrategyOptionError(
@@ -58,6 +60,8 @@ def split_devices(count: int, gpu_memory_mb: int = 1024) -> list[str]:
         else:
             config = [tf.config.LogicalDeviceConfiguration()] * count
         tf.config.set_logical_device_configuration(device, config)
+    if not runtime_started():  # listing would start TensorFlow, and a multi-worker strategy
+        return [f"/device:{kind}:{i}" for i in range(count * len(physical))]  # must come first
     return [device.name for device in tf.config.list_logical_devices(kind)]
 
 
