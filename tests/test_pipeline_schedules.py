@@ -257,3 +257,159 @@ def test_a_trainer_with_each_schedule_trains_like_the_unsplit_model(schedule):
         for v in layer.weights:
             want = tf.DeviceSpec.from_string(plan.device_of(name)).device_index
             assert tf.DeviceSpec.from_string(v.value.device).device_index == want
+
+
+# ZB-V: 2S groups in a V, group g on device g and 2S-1-g (device 0 holds the first and the last)
+ZB_V_BUBBLE = {(2, 4): 0.04, (2, 8): 0.0204, (4, 4): 0.1111, (4, 8): 0.0588}  # = (S-1)/(6M+S-1)
+# the embedding-and-head device slower to B, quicker to W: the F=B=W order waits there
+UNEQUAL = {**{(k, 0): t for k, t in zip("FBW", (1.0, 2.0, 0.5))},
+           **{(k, d): 1.0 for k in "FBW" for d in (1, 2, 3)}}
+
+
+def test_zb_v_orders_run_every_unit_once_on_its_v_device_and_reach_the_least_bubble():
+    for stages in (1, 2, 3, 4):
+        for m in (1, 2, 3, 4, 8):
+            orders = schedules.order("zb-v", stages, 2 * stages, m)
+            assert [sorted(o) for o in orders] == [
+                sorted((k, g, i) for g in (d, 2 * stages - 1 - d) for k in "FBW" for i in range(m))
+                for d in range(stages)]
+            # never more than 2S group micro-batches held (F done, W not): half-size groups,
+            # so 1F1B's S micro-batches of device 0, on every device
+            assert max(schedules.held(orders)) <= 2 * stages
+    for (stages, m), expected in ZB_V_BUBBLE.items():
+        zb_v = schedules.bubble_theory("zb-v", stages, 2 * stages, m)
+        # zero bubble after the warm-up: device S-1 waits S-1 forwards for its first input,
+        # then is never idle again (the least any order can do), every device the same
+        assert zb_v == pytest.approx((stages - 1) / (6 * m + stages - 1)) == pytest.approx(expected, abs=1e-4)
+        zb_h1 = schedules.bubble_theory("zb-h1", stages, stages, m)
+        assert zb_v < zb_h1 < schedules.bubble_theory("1f1b", stages, stages, m)
+
+
+def test_zb_v_orders_for_the_unit_times_it_is_given():
+    def makespan(order):
+        return max(end for _, end in schedules.simulate(order, len(order) * 2, UNEQUAL, split_backward=True).values())
+
+    for stages in (2, 4):
+        profiled = schedules.order("zb-v", stages, 2 * stages, 8, UNEQUAL)
+        equal_times = schedules.order("zb-v", stages, 2 * stages, 8)
+        assert [sorted(o) for o in profiled] == [sorted(o) for o in equal_times]
+        assert max(schedules.held(profiled)) <= 2 * stages
+        assert makespan(profiled) < makespan(equal_times)
+    # S=2: device 0 (16 units of each kind: 56 s of work) is never idle; the F=B=W order takes 62.5
+    assert makespan(schedules.order("zb-v", 2, 4, 8, UNEQUAL)) == pytest.approx(16 * 3.5)
+    assert makespan(schedules.order("zb-v", 2, 4, 8)) == pytest.approx(62.5)
+
+
+def run_v(stages, micro_batches, record=False, unit_times=None):
+    model, _, _ = reference()
+    plan = placement.balanced(model, DEVICES[:stages], chunks=2, layout="v")
+    pipe = placement.Pipeline(model, plan, micro_batches=micro_batches, schedule="zb-v",
+                              record=record, unit_times=unit_times)
+    x, y, w = batch()
+
+    @tf.function
+    def step():  # the timings are a tensor of the traced step: returned with it
+        loss, grads = pipe.forward_backward(x, y, w, share)
+        return loss, grads, pipe.timings if record else tf.zeros([0, 6], tf.float64)
+
+    loss, grads, timings = step()
+    return pipe, loss, grads, timings.numpy()
+
+
+@pytest.mark.parametrize("stages,micro_batches", [(2, 2), (2, 4), pytest.param(4, 8, marks=pytest.mark.slow)])
+def test_zb_v_equals_the_unsplit_model(stages, micro_batches):
+    profiled = {(k, d): t for (k, d), t in UNEQUAL.items() if d < stages} if micro_batches == 4 else None
+    pipe, loss, grads, timings = run_v(stages, micro_batches, record=True, unit_times=profiled)
+    assert pipe.plan.devices == [DEVICES[min(g, 2 * stages - 1 - g)] for g in range(2 * stages)]
+    assert_like_unsplit(loss, grads)
+    assert timings.shape == (2 * stages * 3 * micro_batches, 6)
+    for d, order in enumerate(pipe.order):  # each device runs its units in order, one at a time
+        mine = {(int(g), int(m), int(k)): (a, b) for dev, m, k, a, b, g in timings if dev == d}
+        spans = [mine[(g, m, placement.pipeline.KIND[kind])] for kind, g, m in order]
+        assert all(prev[1] <= nxt[0] for prev, nxt in zip(spans, spans[1:])), d
+        assert {g for _, g, _ in order} == {d, 2 * stages - 1 - d}
+
+
+def test_zb_v_holds_the_layer_activations_of_1f1b_plus_its_group_inputs():
+    """A chain of L equal layers, each saving one tensor T (its output; a group also saves
+    its input): 1F1B's device 0 holds S micro-batches x (L/S + 1) tensors, ZB-V's devices
+    2S x (L/(2S) + 1): both L layer activations, plus S or 2S group inputs."""
+    import keras
+
+    from tfpar.models import Chain
+
+    layers, stages, m = 8, 4, 8
+    chain = Chain.from_keras(keras.Sequential(
+        [keras.Input((16,))] + [keras.layers.Dense(16, activation="relu") for _ in range(layers)]))
+    x, y = tf.random.normal([16, 16], seed=1), tf.random.normal([16, 16], seed=2)
+
+    def peaks(schedule, **plan):
+        pipe = placement.Pipeline(chain, placement.balanced(chain, DEVICES[:stages], **plan),
+                                  micro_batches=m, schedule=schedule)
+        tf.function(lambda: pipe.forward_backward(
+            x, y, None, lambda y, out, w: tf.reduce_sum(tf.square(out - y)))).get_concrete_function()
+        return pipe.activation_bytes
+
+    tensor = 16 // m * 16 * 4  # one micro-batch's (2, 16) fp32 activation
+    one_f = peaks("1f1b")
+    zb_v = peaks("zb-v", chunks=2, layout="v")
+    assert one_f[0] == stages * (layers // stages + 1) * tensor == (layers + stages) * tensor
+    assert [zb_v[d] for d in range(1, stages)] == [(layers + 2 * stages) * tensor] * (stages - 1)
+    assert zb_v[0] <= (layers + 2 * stages + 1) * tensor  # + the loss's (out - y) on the last group
+
+
+def test_zb_v_bad_combinations_are_refused_at_start():
+    model = reference()[0]
+    two = placement.balanced(model, DEVICES[:2])
+    round_robin = placement.balanced(model, DEVICES[:2], chunks=2)
+    v = placement.balanced(model, DEVICES[:2], chunks=2, layout="v")
+    assert v.devices == ["/cpu:0", "/cpu:1", "/cpu:1", "/cpu:0"] and v.chunks == 2
+    assert [v.device_index(g) for g in range(4)] == [0, 1, 1, 0]
+    for plan in (two, round_robin):
+        with pytest.raises(placement.PlacementError,
+                           match=r"zb-v' needs 2 stage groups per device in a V.*layout='v'\)"):
+            placement.Pipeline(model, plan, micro_batches=4, schedule="zb-v")
+    for schedule in ("gpipe", "1f1b", "zb-h1"):
+        with pytest.raises(placement.PlacementError, match="in a V .layout='v'.: only schedule='zb-v' runs it"):
+            placement.Pipeline(model, v, micro_batches=4, schedule=schedule)
+    with pytest.raises(placement.PlacementError, match="round robin: plan = balanced"):
+        placement.Pipeline(model, v, micro_batches=4, schedule="interleaved")
+    for chunks, layout in ((3, "v"), (1, "v"), (2, "zigzag")):
+        with pytest.raises(placement.PlacementError, match="layout='v' with chunks=2"):
+            placement.balanced(model, DEVICES[:2], chunks=chunks, layout=layout)
+    with pytest.raises(placement.PlacementError, match="remat='attention'"):
+        placement.Pipeline(model, v, micro_batches=4, schedule="zb-v", remat=True)
+    with pytest.raises(placement.PlacementError, match="use 4 groups"):
+        schedules.order("zb-v", 2, 2, 4)
+    zb_v = placement.Pipeline(model, v, micro_batches=1, schedule="zb-v")  # M < S runs (a bigger bubble)
+    assert zb_v.bubble_theory() == pytest.approx(1 / 3)
+    with pytest.raises(placement.PlacementError, match="inside tf.function"):
+        zb_v.forward_backward(*batch(), share)
+
+
+@pytest.mark.slow
+def test_a_trainer_with_zb_v_trains_like_the_unsplit_model():
+    import keras
+
+    from tfpar.loop import Trainer
+
+    x, y, w = batch()
+    dataset = tf.data.Dataset.from_tensors((x, y, w)).repeat()
+    keras.utils.set_random_seed(0)
+    base = gpt()
+    initial = base.get_weights()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    sgd = lambda: keras.optimizers.SGD(0.1, momentum=0.9)  # noqa: E731
+    Trainer(base, sgd(), loss, steps_per_loop=2).fit(dataset, steps=4)
+    plan = placement.balanced(base, DEVICES[:2], chunks=2, layout="v")
+    with plan.scope():
+        model = gpt()
+    model.set_weights(initial)
+    pipe = placement.Pipeline(model, plan, micro_batches=4, schedule="zb-v", remat="attention")
+    Trainer(model, sgd(), loss, placement=pipe, steps_per_loop=2).fit(dataset, steps=4)
+    for a, b in zip(model.get_weights(), base.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    for name, layer in model.stages():  # groups 0 and 3 on /cpu:0, 1 and 2 on /cpu:1
+        for v in layer.weights:
+            want = tf.DeviceSpec.from_string(plan.device_of(name)).device_index
+            assert tf.DeviceSpec.from_string(v.value.device).device_index == want

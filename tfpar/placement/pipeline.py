@@ -7,9 +7,10 @@ Activations go forward and their gradients back between devices. The batch is sp
 M micro-batches; gradients are summed over them, so loss and gradients equal the unsplit
 model's. Each device's units run in its schedule's order (tfpar.placement.schedules),
 forced with control dependencies: `naive`, `gpipe`, `1f1b`, `interleaved` (a plan from
-`balanced(model, devices, chunks=v)`: v groups per device) and `zb-h1`.
+`balanced(model, devices, chunks=v)`: v groups per device), `zb-h1` and `zb-v` (a plan
+from `balanced(model, devices, chunks=2, layout="v")`: groups g and 2S-1-g on device g).
 
-zb-h1 splits each backward in two units without computing anything twice: one
+zb-h1 and zb-v split each backward in two units without computing anything twice: one
 `tape.gradient` call builds the stage's whole backward graph; the ops that only feed the
 weight gradients (X^T dY products, bias and norm sums) form the W unit, the rest (the
 input-gradient chain dY W^T ...) the B unit, and W's first ops get a control input from
@@ -63,19 +64,7 @@ def check(plan: StagePlan, micro_batches: int, schedule: str, remat, record: boo
         raise PlacementError(f"remat={remat!r}: use False, True (whole stage) or 'attention' (selective).")
     if micro_batches < 1 or (schedule == "naive" and micro_batches != 1):
         raise PlacementError("micro_batches must be >= 1 (and 1 for the naive schedule).")
-    S, groups = len(plan.stage_devices), len(plan.groups)
-    round_robin = groups % S == 0 and all(plan.device_index(g) == g % S for g in range(groups))
-    if schedule == "interleaved":
-        if not round_robin or groups < 2 * S:
-            raise PlacementError("schedule='interleaved' needs v >= 2 stage groups per device, round "
-                                 "robin: plan = balanced(model, devices, chunks=2).")
-        if micro_batches % S:
-            raise PlacementError(f"schedule='interleaved' runs micro-batches in rounds of S = {S}: "
-                                 f"micro_batches must be a multiple of {S} (got {micro_batches}).")
-    elif groups != S:
-        raise PlacementError(f"This plan puts {groups} groups on {S} devices; schedule={schedule!r} "
-                             "needs one group per device (balanced(model, devices)): use "
-                             "schedule='interleaved' for a plan with chunks.")
+    _check_layout(plan, micro_batches, schedule)
     if schedule in schedules.SPLIT_BACKWARD and REMAT[remat] == "full":
         raise PlacementError(f"schedule={schedule!r} splits each backward into B and W; whole-stage "
                              "remat would recompute the forward for both: use remat='attention' "
@@ -86,17 +75,45 @@ def check(plan: StagePlan, micro_batches: int, schedule: str, remat, record: boo
                              "tf.profiler for a trace), or record on CPU/GPU devices.")
 
 
+def _check_layout(plan: StagePlan, micro_batches: int, schedule: str) -> None:
+    """The plan's group -> device map must be the one the schedule's order is built for."""
+    S, groups = len(plan.stage_devices), len(plan.groups)
+    placed = [plan.device_index(g) for g in range(groups)]
+    round_robin = groups % S == 0 and placed == [g % S for g in range(groups)]
+    v_shape = groups == 2 * S and placed == [schedules.v_device(g, S) for g in range(groups)]
+    if schedule == "interleaved":
+        if not round_robin or groups < 2 * S:
+            raise PlacementError("schedule='interleaved' needs v >= 2 stage groups per device, round "
+                                 "robin: plan = balanced(model, devices, chunks=2).")
+        if micro_batches % S:
+            raise PlacementError(f"schedule='interleaved' runs micro-batches in rounds of S = {S}: "
+                                 f"micro_batches must be a multiple of {S} (got {micro_batches}).")
+    elif schedule == "zb-v":
+        if not v_shape:
+            raise PlacementError(f"schedule='zb-v' needs 2 stage groups per device in a V (group g and "
+                                 f"2S-1-g on device g); this plan puts {groups} groups on {S} devices "
+                                 "otherwise: plan = balanced(model, devices, chunks=2, layout='v').")
+    elif groups != S and v_shape:
+        raise PlacementError(f"This plan puts {groups} groups on {S} devices in a V (layout='v'): "
+                             f"only schedule='zb-v' runs it; schedule={schedule!r} needs one group "
+                             "per device: plan = balanced(model, devices).")
+    elif groups != S:
+        raise PlacementError(f"This plan puts {groups} groups on {S} devices; schedule={schedule!r} "
+                             "needs one group per device (balanced(model, devices)): use "
+                             "schedule='interleaved' for a plan with chunks.")
+
+
 class Pipeline:
     """Runs a StagedModel's stage groups on their devices (see module docstring)."""
 
     def __init__(self, model, plan: StagePlan, micro_batches: int = 1, schedule: str = "gpipe",
                  remat: bool | str = False, record: bool = False, unit_times=None):
         """`unit_times`: seconds per unit kind, or per (kind, device), from a recorded step
-        (`timeline.unit_times(pipe.timings)`): zb-h1 then orders its units for those times
-        (profile-guided) instead of for F = B = W."""
+        (`timeline.unit_times(pipe.timings)`): zb-h1 and zb-v then order their units for
+        those times (profile-guided) instead of for F = B = W."""
         check(plan, micro_batches, schedule, remat, record)
         if unit_times is not None and schedule not in schedules.SPLIT_BACKWARD:
-            raise PlacementError(f"unit_times shape only the zb-h1 order; schedule={schedule!r} "
+            raise PlacementError(f"unit_times shape only the zb-h1 and zb-v orders; schedule={schedule!r} "
                                  "has a fixed order: leave unit_times out.")
         self.model, self.plan, self.micro_batches = model, plan, micro_batches
         self.schedule, self.remat, self.record = schedule, REMAT[remat], record
@@ -209,7 +226,7 @@ class Pipeline:
         over its examples divided by the whole batch's denominator), so shares add up.
 
         Raises:
-            PlacementError: zb-h1 run eagerly (it needs a traced step).
+            PlacementError: zb-h1 or zb-v run eagerly (they need a traced step).
         """
         if self.split and tf.executing_eagerly():
             raise PlacementError(f"schedule={self.schedule!r} splits the backward graph: run "
@@ -287,7 +304,7 @@ class _Step:
         return [out]
 
     def _backward(self, g, m, upstream, deps):
-        """The stage's backward (zb-h1: all of it is built here, the W part set aside)."""
+        """The stage's backward (zb-h1, zb-v: all of it is built here, the W part set aside)."""
         variables = self.pipe.group_variables(g)
         sources = variables + ([self.inputs[(g, m)]] if g > 0 else [])
         first = len(self.graph.get_operations()) if self.pipe.split else 0

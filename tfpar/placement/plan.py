@@ -309,22 +309,28 @@ def manual(model, assignment: Mapping[str, str]) -> StagePlan:
 
 def balanced(model, devices: Sequence[str],
              cost: Callable[[str, int], float] | Mapping[str, float] | None = None,
-             chunks: int = 1) -> StagePlan:
+             chunks: int = 1, layout: str = "round_robin") -> StagePlan:
     """Cuts the stages into len(devices) * chunks contiguous groups minimising the largest
     group's cost: its parameter count by default, or a cost per stage name (a mapping, e.g.
     `costs.flops(model, x)` or `costs.seconds(model, x)`, or `cost(name, params)`).
     Exact: dynamic programming over the cut points. With chunks = v >= 2 (for
-    schedule="interleaved") group g goes to devices[g % S], round robin.
+    schedule="interleaved") group g goes to devices[g % S], round robin; with chunks=2,
+    layout="v" (for schedule="zb-v") to devices[g] for g < S and devices[2S - 1 - g] after.
 
     Example:
         >>> balanced(model, ["/cpu:0", "/cpu:1"], cost=costs.seconds(model, x)).table()
         >>> balanced(model, ["/cpu:0", "/cpu:1"], chunks=2).devices
         ['/cpu:0', '/cpu:1', '/cpu:0', '/cpu:1']
+        >>> balanced(model, ["/cpu:0", "/cpu:1"], chunks=2, layout="v").devices
+        ['/cpu:0', '/cpu:1', '/cpu:1', '/cpu:0']
     """
     stages = stage_params(model)
     parts = len(devices) * chunks
     if chunks < 1:
         raise PlacementError(f"chunks must be >= 1 (groups per device); got {chunks}.")
+    if layout not in ("round_robin", "v") or (layout == "v" and chunks != 2):
+        raise PlacementError(f"layout={layout!r} with chunks={chunks}: use layout='round_robin' "
+                             "(any chunks), or layout='v' with chunks=2 (schedule='zb-v').")
     if parts > len(stages):
         most = len(stages) // len(devices)
         raise PlacementError(
@@ -342,7 +348,8 @@ def balanced(model, devices: Sequence[str],
     groups, start = [], 0
     for g, stop in enumerate(cuts):
         members = stages[start:stop]
-        groups.append(StageGroup(tuple(n for n, _ in members), devices[g % len(devices)],
+        device = g % len(devices) if layout == "round_robin" else min(g, 2 * len(devices) - 1 - g)
+        groups.append(StageGroup(tuple(n for n, _ in members), devices[device],
                                  sum(p for _, p in members)))
         start = stop
     return StagePlan(tuple(groups))
