@@ -3,7 +3,7 @@
     python benchmarks/placement.py            # benchmarks/results/schedules/: JSON, PNGs, one GIF
     python benchmarks/placement.py --out=/tmp/b --stages=2 --micro-batches=4 --batch=32 --rounds=1
 
-For each schedule (gpipe, 1f1b, interleaved with v = 2, zb-h1), S in {2, 4} devices and M in
+For each schedule (gpipe, 1f1b, interleaved with v = 2, zb-h1, zb-v), S in {2, 4} devices and M in
 {4, 8} micro-batches it traces one forward + backward step with the units timed inside
 the graph (`Pipeline(record=True)`) and reports:
 - ms/step: wall time of that step (the optimizer update, the same for every schedule, is
@@ -15,9 +15,9 @@ the graph (`Pipeline(record=True)`) and reports:
   unit times, without the executor's gaps);
 - activation memory: per device, the peak bytes of saved activations, counted from the
   traced step (`pipe.activation_bytes`).
-zb-h1 runs twice: "zb-h1 (F=B=W)" in the order built for equal unit times, and "zb-h1" in
-the order built for the unit times that run measured (`Pipeline(unit_times=...)`, a
-profile-guided order); zb-h1's theory for the goals is that order replayed at those times,
+zb-h1 and zb-v run twice: "zb-h1 (F=B=W)" in the order built for equal unit times, and
+"zb-h1" in the order built for the unit times that run measured (`Pipeline(unit_times=...)`,
+a profile-guided order); their theory for the goals is that order replayed at those times,
 since equal times are not what this model's stages take.
 It writes a Gantt chart per setting and ONE animated GIF of the schedules at S=2, M=8 (or
 the first S and the largest M asked for) playing side by side on one clock, from measured
@@ -52,7 +52,8 @@ from tfpar.models import GPT  # noqa: E402
 from tfpar.placement import costs, schedules, timeline  # noqa: E402
 
 SEQ, VOCAB = 128, 256
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+PROFILED = ("zb-h1", "zb-v")  # orders built for the unit times they are given
 
 
 def gpt(dim: int = 128):
@@ -67,8 +68,9 @@ class Setting:
                  unit_times=None):
         self.schedule, self.stages, self.micro_batches = schedule, stages, micro_batches
         self.profiled = unit_times is not None
-        chunks = 2 if schedule == "interleaved" else 1
-        self.plan = placement.balanced(model, DEVICES[:stages], cost=cost, chunks=chunks)
+        chunks = 2 if schedule in ("interleaved", "zb-v") else 1
+        layout = "v" if schedule == "zb-v" else "round_robin"
+        self.plan = placement.balanced(model, DEVICES[:stages], cost=cost, chunks=chunks, layout=layout)
         self.pipe = placement.Pipeline(model, self.plan, micro_batches=micro_batches,
                                        schedule=schedule, record=True, unit_times=unit_times)
         x, y = batch
@@ -89,7 +91,7 @@ class Setting:
     def label(self) -> str:
         """zb-h1 is ordered for its measured unit times; "zb-h1 (F=B=W)" is the order for
         equal times, kept beside it to show what profiling buys."""
-        return self.schedule if self.profiled or self.schedule != "zb-h1" else "zb-h1 (F=B=W)"
+        return self.schedule if self.profiled or self.schedule not in PROFILED else f"{self.schedule} (F=B=W)"
 
     @property
     def name(self) -> str:
@@ -129,7 +131,7 @@ def goals(rows: list[dict]) -> dict:
         return next((r for r in rows if (r["schedule"], r["stages"], r["micro_batches"]) == (schedule, stages, m)), None)
 
     def theory(r):  # zb-h1's theory is its order replayed at its own unit times (unequal here)
-        return r["bubble_simulated"] if r["schedule"] == "zb-h1" else r["bubble_theory"]
+        return r["bubble_simulated"] if r["schedule"] in PROFILED else r["bubble_theory"]
 
     result = {"bubble_within_5_points_of_theory": {
         f"{r['schedule']} S={r['stages']} M={r['micro_batches']}": bool(abs(r["bubble"] - theory(r)) <= 0.05)
@@ -186,11 +188,12 @@ def main() -> None:
     settings = [Setting(model, cost, batch, schedule, stages, m)
                 for stages in map(int, args.stages.split(",")) for m in map(int, args.micro_batches.split(","))
                 for schedule in args.schedules.split(",")
-                if schedule != "interleaved" or (m % stages == 0 and 2 * stages <= len(model.stages()))]
+                if (schedule != "interleaved" or m % stages == 0)
+                and (schedule not in ("interleaved", "zb-v") or 2 * stages <= len(model.stages()))]
     for setting in list(settings):  # trace and warm every setting first
         setting.run(args.warmup)
-        if setting.schedule == "zb-h1":  # and its twin ordered for the unit times just measured
-            twin = Setting(model, cost, batch, "zb-h1", setting.stages, setting.micro_batches,
+        if setting.schedule in PROFILED:  # and its twin ordered for the unit times just measured
+            twin = Setting(model, cost, batch, setting.schedule, setting.stages, setting.micro_batches,
                            unit_times=timeline.unit_times(setting.timings[-1]))
             twin.run(args.warmup)
             twin.times.clear(), twin.timings.clear()

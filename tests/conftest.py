@@ -58,7 +58,6 @@ SLOW = (
     "tests/test_check.py::test_an_unreachable_peer_is_not_ready",
     "tests/test_preflight.py::test_create_strategy_with_a_dead_peer_fails_fast_and_names_it",
     # single parameter sets (node ids with parameters); the others stay in the fast tier
-    "tests/test_placement.py::test_pipeline_loss_and_gradients_equal_the_unsplit_model[gpipe-8-False-4]",
     "tests/test_placement.py::test_pipeline_loss_and_gradients_equal_the_unsplit_model[1f1b-4-True-2]",
 )
 
