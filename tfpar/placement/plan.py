@@ -214,9 +214,8 @@ class StagePlan:
         if missing:
             raise PlacementError(
                 f"This worker has no {', '.join(missing)} (it has {', '.join(here)}): split its "
-                "devices before TensorFlow starts, on every worker, e.g. tf.config."
-                "set_logical_device_configuration(tf.config.list_physical_devices('CPU')[0], "
-                "[tf.config.LogicalDeviceConfiguration()] * 2) before tfpar.create_strategy.")
+                "devices on every worker as the strategy starts, e.g. tfpar.create_strategy("
+                "'multi_worker_mirrored', virtual_devices=2).")
 
     def _place_variable(self, next_creator, **kwargs):
         stage = building_stage()
