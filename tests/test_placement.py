@@ -354,7 +354,7 @@ def test_hybrid_across_workers_refuses_what_cannot_run():
     with pytest.raises(placement.PlacementError, match="write '/device:CPU:1', not '/job:worker/task:1"):
         with named.scope(mwms):
             pass
-    with pytest.raises(placement.PlacementError, match=r"This worker has no /cpu:7 .*set_logical_device"):
+    with pytest.raises(placement.PlacementError, match=r"This worker has no /cpu:7 .*virtual_devices=2"):
         placement.balanced(model, ["/cpu:0", "/cpu:7"]).check_multi_worker(mwms)
     two_local = _strategy_like(tf.distribute.MultiWorkerMirroredStrategy, [worker0, worker0[:-1] + "1"], 4)
     with pytest.raises(placement.PlacementError, match="Pipeline replica 1 starts on /cpu:2 but"):
