@@ -287,11 +287,12 @@ def test_plans_balance_by_counted_flops_and_measured_seconds():
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", pytest.param("interleaved", marks=pytest.mark.slow),
-                                      pytest.param("zb-h1", marks=pytest.mark.slow)])
+                                      pytest.param("zb-h1", marks=pytest.mark.slow),
+                                      pytest.param("zb-v", marks=pytest.mark.slow)])
 def test_placement_read_from_the_executed_graphs(schedule):
     """The placer's log of the executed train step: every matrix product of a stage, forward
-    and backward (zb-h1: B and W), and every optimizer update of its variables runs on its
-    stage's device (interleaved: two groups per device)."""
+    and backward (zb-h1, zb-v: B and W), and every optimizer update of its variables runs on
+    its stage's device (interleaved, zb-v: two groups per device)."""
     import json
     import re
 

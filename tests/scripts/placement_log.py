@@ -1,6 +1,6 @@
 """Runs one training step of a GPT pipelined on 2 devices, 2 micro-batches, with the
-schedule named by argv[1] (gpipe by default; interleaved puts 2 stage groups on each
-device), with TensorFlow's device placement log on, for tests/test_placement.py: the placer's decisions for the executed
+schedule named by argv[1] (gpipe by default; interleaved and zb-v put 2 stage groups on
+each device), with TensorFlow's device placement log on, for tests/test_placement.py: the placer's decisions for the executed
 function graphs are printed as `name: (OpType): device` lines, which the test reads.
 
 Prints, last, one JSON line: {"stages": {stage name: device index}, "layers": {stage name:
@@ -36,7 +36,8 @@ def small_gpt():
 template = small_gpt()
 template.build((None, 8))
 schedule = sys.argv[1] if len(sys.argv) > 1 else "gpipe"
-plan = placement.balanced(template, ["/cpu:0", "/cpu:1"], chunks=2 if schedule == "interleaved" else 1)
+plan = placement.balanced(template, ["/cpu:0", "/cpu:1"], chunks=2 if schedule in ("interleaved", "zb-v") else 1,
+                          layout="v" if schedule == "zb-v" else "round_robin")
 with plan.scope():
     model = small_gpt()
     model.build((None, 8))
