@@ -84,3 +84,31 @@ def without_grappler():
     tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
     yield
     tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": before})
+
+
+# reverse_tiny on 2 replicas through the binary, 300 steps each: one process trains them all
+SGD = "optimizer.name=sgd;optimizer.momentum=0;optimizer.clip_norm=0"
+CONVERGENCE_RUNS = {
+    "none": "none", "topk": "topk", "powersgd": "powersgd", "int8": "int8", "sign": "sign",
+    "dgc": f"dgc:compression_args.ratio=0.01;compression_args.sparsity_warmup_steps=100;"
+           f"compression_args.clip_norm=1.0;optimizer.learning_rate=0.3;{SGD}",
+    "onebit_adam": f"onebit_adam:compression_args.freeze_step=100;compression_args.clip_norm=1.0;{SGD}",
+    "powersgd_schedule": "powersgd:compression_args.rank_schedule=8@0,4@150;compression_args.warmup_steps=30",
+}
+
+
+@pytest.fixture(scope="session")
+def reverse_task_runs(tmp_path_factory) -> dict:
+    """name -> results.json of CONVERGENCE_RUNS, trained once for the convergence tests of
+    test_compression.py and test_compression_dgc.py (one process: TensorFlow starts once)."""
+    import json
+
+    from procs import SCRIPTS, run_python
+
+    workdir = tmp_path_factory.mktemp("convergence")
+    done = run_python([str(SCRIPTS / "compression_convergence.py"), str(workdir), "300",
+                       *CONVERGENCE_RUNS.values()], timeout=1500)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = [json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(results) == len(CONVERGENCE_RUNS), done.stdout[-3000:]
+    return dict(zip(CONVERGENCE_RUNS, results))

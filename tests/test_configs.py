@@ -1,7 +1,8 @@
 """Every config file in configs/ starts and trains a few steps with the training binary.
 
 The model, data, precision and optimizer are the file's own; only the run is shortened
-(2 steps, small batches). TFDS datasets come from tfds.testing.mock_data, so no download
+(2 steps, small batches, 64-token sequences: gpt_base's 512 took minutes). TFDS datasets
+come from tfds.testing.mock_data, so no download
 is needed. A new configs/*.py is picked up by itself.
 """
 
@@ -15,7 +16,7 @@ CONFIGS = sorted(p.name for p in (REPO / "configs").glob("*.py"))
 SHORT = ["--config.train.steps=2", "--config.train.steps_per_loop=1", "--config.train.log_every=1",
          "--config.train.checkpoint_every=2", "--config.train.batch_size=4",
          "--config.train.eval_batch_size=4", "--config.train.eval_examples=8",
-         "--config.sample.length=4"]
+         "--config.sample.length=4", "--config.data.seq_len=64"]
 
 
 @pytest.mark.parametrize("name", CONFIGS)
