@@ -22,7 +22,8 @@ since equal times are not what this model's stages take.
 It writes a Gantt chart per setting and ONE animated GIF of the schedules at S=2, M=8 (or
 the first S and the largest M asked for) playing side by side on one clock, from measured
 timings. The CPU is split into 4 logical devices with intra_op=1 and inter_op=4 threads,
-so stages overlap only as the schedule lets them. Plans are balanced by counted FLOPs.
+so stages overlap only as the schedule lets them. Plans are balanced by counted FLOPs, or
+by measured seconds (`--cost=seconds`: what this CPU takes per stage, forward + backward).
 Speed lives here, never in tests.
 """
 
@@ -56,9 +57,10 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 PROFILED = ("zb-h1", "zb-v")  # orders built for the unit times they are given
 
 
-def gpt(dim: int = 128):
-    """Depth 4: 10 stages, enough for 4 devices x 2 chunks; gpt_tiny's width by default."""
-    return GPT(vocab_size=VOCAB, max_len=SEQ, dim=dim, depth=4, heads=4)
+def gpt(dim: int = 128, depth: int = 4):
+    """Depth 4: 10 stages, enough for 4 devices x 2 chunks; gpt_tiny's width by default.
+    Deeper models cut finer, so the groups balance better."""
+    return GPT(vocab_size=VOCAB, max_len=SEQ, dim=dim, depth=depth, heads=4)
 
 
 class Setting:
@@ -175,16 +177,19 @@ def main() -> None:
     parser.add_argument("--micro-batches", default="4,8")
     parser.add_argument("--batch", type=int, default=128, help="global batch (sequences of 128)")
     parser.add_argument("--dim", type=int, default=128, help="model width (matmuls dominate from ~384)")
+    parser.add_argument("--depth", type=int, default=4, help="blocks (2 stages each, plus embed and head)")
+    parser.add_argument("--cost", default="flops", choices=("flops", "seconds"),
+                        help="balance the stages by counted FLOPs or by measured seconds")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    model = gpt(args.dim)
+    model = gpt(args.dim, args.depth)
     rng = np.random.RandomState(0)
     tokens = rng.randint(0, VOCAB, size=(args.batch, SEQ + 1)).astype("int32")
     batch = (tf.constant(tokens[:, :-1]), tf.constant(tokens[:, 1:]))
-    cost = costs.flops(model, batch[0][:8])
+    cost = costs.flops(model, batch[0][:8]) if args.cost == "flops" else costs.seconds(model, batch[0][:16])
     settings = [Setting(model, cost, batch, schedule, stages, m)
                 for stages in map(int, args.stages.split(",")) for m in map(int, args.micro_batches.split(","))
                 for schedule in args.schedules.split(",")
@@ -216,10 +221,11 @@ def main() -> None:
     shown = [s for s in settings if (s.stages, s.micro_batches) == (shown_s, shown_m)]
     timeline.animate({s.label: s.timings[len(s.timings) // 2] for s in shown},
                      os.path.join(args.out, "pipeline_schedules.gif"),
-                     title=f"4-block GPT (dim {args.dim}) on {shown_s} logical CPUs, M={shown_m}, measured",
+                     title=f"{args.depth}-block GPT (dim {args.dim}) on {shown_s} logical CPUs, M={shown_m}, measured",
                      theories={s.label: s.pipe.bubble_theory() for s in shown})
     plot(rows, os.path.join(args.out, "placement.png"))
-    result = {"model": f"GPT depth 4, dim {args.dim}, 4 heads, vocab 256", "seq_len": SEQ, "global_batch": args.batch,
+    result = {"model": f"GPT depth {args.depth}, dim {args.dim}, 4 heads, vocab 256", "seq_len": SEQ, "global_batch": args.batch,
+              "balanced_by": args.cost,
               "step": "forward + backward (no optimizer update)",
               "threads": {"intra_op": 1, "inter_op": 4}, "logical_cpus": len(DEVICES),
               "physical_cores": os.cpu_count(), "gif": "pipeline_schedules.gif",

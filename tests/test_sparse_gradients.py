@@ -86,7 +86,9 @@ CASES = [pytest.param(m, o, r, marks=() if (m, o, r) in FAST else pytest.mark.sl
 
 
 @pytest.mark.parametrize("name,optimizer,replicas", CASES)
-def test_fit_and_loop_equal_the_dense_reference(name, optimizer, replicas):
+def test_fit_and_loop_equal_the_dense_reference(name, optimizer, replicas, request):
+    if (name, optimizer, replicas) not in FAST:  # numbers only: the fast cases keep grappler
+        request.getfixturevalue("without_grappler")
     weights, dense = reference(name, optimizer)
     strategy = strategy_for(replicas)
     for run in (sm.fit, sm.loop):
