@@ -43,8 +43,9 @@ def reference():
 
 def run(schedule, stages, micro_batches, remat=False, record=False, unit_times=None):
     model, _, _ = reference()
-    chunks = 2 if schedule == "interleaved" else 1
-    plan = placement.balanced(model, DEVICES[:stages], chunks=chunks)
+    chunks = 2 if schedule in ("interleaved", "zb-v") else 1
+    plan = placement.balanced(model, DEVICES[:stages], chunks=chunks,
+                              layout="v" if schedule == "zb-v" else "round_robin")
     pipe = placement.Pipeline(model, plan, micro_batches=micro_batches, schedule=schedule,
                               remat=remat, record=record, unit_times=unit_times)
     x, y, w = batch()
@@ -302,26 +303,10 @@ def test_zb_v_orders_for_the_unit_times_it_is_given():
     assert makespan(schedules.order("zb-v", 2, 4, 8)) == pytest.approx(62.5)
 
 
-def run_v(stages, micro_batches, record=False, unit_times=None):
-    model, _, _ = reference()
-    plan = placement.balanced(model, DEVICES[:stages], chunks=2, layout="v")
-    pipe = placement.Pipeline(model, plan, micro_batches=micro_batches, schedule="zb-v",
-                              record=record, unit_times=unit_times)
-    x, y, w = batch()
-
-    @tf.function
-    def step():  # the timings are a tensor of the traced step: returned with it
-        loss, grads = pipe.forward_backward(x, y, w, share)
-        return loss, grads, pipe.timings if record else tf.zeros([0, 6], tf.float64)
-
-    loss, grads, timings = step()
-    return pipe, loss, grads, timings.numpy()
-
-
 @pytest.mark.parametrize("stages,micro_batches", [(2, 2), (2, 4), pytest.param(4, 8, marks=pytest.mark.slow)])
 def test_zb_v_equals_the_unsplit_model(stages, micro_batches):
     profiled = {(k, d): t for (k, d), t in UNEQUAL.items() if d < stages} if micro_batches == 4 else None
-    pipe, loss, grads, timings = run_v(stages, micro_batches, record=True, unit_times=profiled)
+    pipe, loss, grads, timings = run("zb-v", stages, micro_batches, record=True, unit_times=profiled)
     assert pipe.plan.devices == [DEVICES[min(g, 2 * stages - 1 - g)] for g in range(2 * stages)]
     assert_like_unsplit(loss, grads)
     assert timings.shape == (2 * stages * 3 * micro_batches, 6)
