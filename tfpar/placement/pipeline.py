@@ -147,12 +147,10 @@ class Pipeline:
     def _data_order(self) -> list[tuple]:
         """All units, each after its inputs' units and its device's previous unit."""
         pending, done, sequence = [list(o) for o in self.order], set(), []
-        last = len(self.groups) - 1
-        needs = {"F": lambda g, m: [("F", g - 1, m)] if g else [],
-                 "B": lambda g, m: [("F", g, m)] + ([("B", g + 1, m)] if g < last else []),
-                 "W": lambda g, m: [("B", g, m)]}
+        groups = len(self.groups)
         while any(pending):
-            ready = [p.pop(0) for p in pending if p and all(n in done for n in needs[p[0][0]](*p[0][1:]))]
+            ready = [p.pop(0) for p in pending
+                     if p and all(n in done for n in schedules.inputs(p[0], groups))]
             if not ready:
                 raise PlacementError(f"Schedule {self.schedule} deadlocked (a bug in its order).")
             sequence.extend(ready)

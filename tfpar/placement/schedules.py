@@ -271,15 +271,26 @@ def _zb_choice(options, free, w_slack):
     return start, unit
 
 
+def inputs(unit: Unit, groups: int) -> list[Unit]:
+    """The units whose results `unit` consumes: F the previous group's F; B its own F and
+    the next group's B (the output gradient); W its own B."""
+    kind, g, m = unit
+    if kind == "F":
+        return [("F", g - 1, m)] if g else []
+    if kind == "B":
+        return [("F", g, m)] + ([("B", g + 1, m)] if g < groups - 1 else [])
+    return [("B", g, m)]
+
+
 def simulate(orders: list[list[Unit]], groups: int, durations: Mapping = NOMINAL,
              split_backward: bool = False) -> dict[Unit, tuple[float, float]]:
     """(start, end) of every unit when each device runs its order at fixed durations
     (`durations[kind]` or `durations[(kind, device)]`; a full backward lasts B + W unless
     `split_backward`) and waits for its inputs."""
     def length(kind, d):
-        def one(k):
-            return durations.get((k, d), durations.get(k))
-        return one("B") + one("W") if kind == "B" and not split_backward else one(kind)
+        if kind == "B" and not split_backward:
+            return _duration(durations, "B", d) + _duration(durations, "W", d)
+        return _duration(durations, kind, d)
 
     span: dict[Unit, tuple[float, float]] = {}
     position, free = [0] * len(orders), [0.0] * len(orders)
@@ -287,15 +298,14 @@ def simulate(orders: list[list[Unit]], groups: int, durations: Mapping = NOMINAL
         progressed = False
         for d, units in enumerate(orders):
             while position[d] < len(units):
-                kind, g, m = units[position[d]]
-                needs = {"F": [("F", g - 1, m)] if g else [],
-                         "B": [("F", g, m)] + ([("B", g + 1, m)] if g < groups - 1 else []),
-                         "W": [("B", g, m)]}[kind]
+                unit = units[position[d]]
+                needs = inputs(unit, groups)
                 if any(n not in span for n in needs):
                     break
                 start = max([free[d]] + [span[n][1] for n in needs])
-                span[units[position[d]]] = (start, start + length(kind, d))
-                free[d], position[d], progressed = start + length(kind, d), position[d] + 1, True
+                end = start + length(unit[0], d)
+                span[unit] = (start, end)
+                free[d], position[d], progressed = end, position[d] + 1, True
         if not progressed:
             raise PlacementError("This schedule deadlocks: a device waits for a unit that is "
                                  "ordered after its own.")
