@@ -80,9 +80,13 @@ def test_the_fixes_can_be_turned_off():
 
 
 FAST = {("sequential", "adam", 2), ("dict_inputs", "lamb", 1)}  # the rest: -m slow
+# 1 and 4 replicas for every model and optimizer (4 repeats rows across replicas the most);
+# 2 replicas in the fast case and on 2 workers below
 CASES = [pytest.param(m, o, r, marks=() if (m, o, r) in FAST else pytest.mark.slow,
                       id=f"{m}-{o}-{r}")
-         for m in sm.MODELS for o in sm.OPTIMIZERS for r in (1, 2, 4)]
+         for m in sm.MODELS for o in sm.OPTIMIZERS for r in (1, 2, 4)
+         if r != 2 or (m, o, r) in FAST]
+WORKER_OPTIMIZERS = ("adam", "lamb")  # adamw takes adam's sparse path (its 4-replica cases above)
 
 
 @pytest.mark.parametrize("name,optimizer,replicas", CASES)
@@ -100,11 +104,11 @@ def test_fit_and_loop_equal_the_dense_reference(name, optimizer, replicas, reque
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_workers_equal_the_dense_reference(tmp_path):
-    result = launch(2, "sparse_worker.py", str(tmp_path), timeout=900)
+    result = launch(2, "sparse_worker.py", str(tmp_path), *WORKER_OPTIMIZERS, timeout=900)
     assert result.returncode == 0 and result.stdout.count("SPARSE_WORKER: done") == 2, \
         result.stdout[-4000:]
     for name in sm.MODELS:
-        for optimizer in sm.OPTIMIZERS:
+        for optimizer in WORKER_OPTIMIZERS:
             _, dense = reference(name, optimizer)
             for mode in ("fit", "loop"):
                 for task in (0, 1):
