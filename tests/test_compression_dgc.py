@@ -240,8 +240,8 @@ def test_new_compressors_run_on_two_worker_processes(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["dgc", "onebit_adam", "powersgd_schedule"])
 def test_new_compressors_learn_the_reverse_task_through_the_binary(reverse_task_runs, name):
-    """reverse_tiny on 2 replicas, 300 steps, through tfpar.train in loop mode: dgc(0.01)
-    with a density warm-up, 1-bit Adam after 100 Adam steps and PowerSGD with an
+    """reverse_tiny on 2 replicas, 200 steps, through tfpar.train in loop mode: dgc(0.01)
+    with a density warm-up, 1-bit Adam after 60 Adam steps and PowerSGD with an
     uncompressed start and a rank schedule each reach the exact-sequence accuracy that the
     uncompressed run reaches (>= 0.95, see test_compression). Runs: conftest.CONVERGENCE_RUNS."""
     result = reverse_task_runs[name]
@@ -314,7 +314,9 @@ def test_auto_picks_none_on_a_fast_link_and_compression_on_a_slow_one():
     assert choose(link_s=0.01, compute_s=1.0, ratios=ratios)[0] in ("none", "fp16")
     assert choose(link_s=0.0, compute_s=1.0, ratios=ratios)[0] == "none"
     name, predicted = choose(link_s=4.0, compute_s=1.0, ratios=ratios)
-    assert name == "powersgd" and predicted["powersgd"] < predicted["none"] / 3
+    assert name == "fp16" and predicted["fp16"] < predicted["none"] / 1.5
+    # powersgd's step is the shortest, but it needs more steps than the run has: left out
+    assert predicted["powersgd"] < predicted["fp16"]
 
 
 @pytest.mark.slow
@@ -322,8 +324,9 @@ def test_auto_measures_at_build_becomes_its_choice_and_says_why(weights):
     strategy = mirrored(2)
     slow = C.Auto(total_steps=20, link_s=10.0)  # a link measured as slow: compress
     _, trainer, dataset = train(strategy, weights, slow, momentum=0.9, steps=4)
-    assert isinstance(slow.chosen.compressor, C.PowerSGD) and slow.boundaries() == (2,)
-    assert slow.decision.startswith("powersgd: link 10.000 s")
+    assert isinstance(slow.chosen.compressor, C.FP16) and slow.boundaries() == ()
+    assert slow.decision.startswith("fp16: link 10.000 s") and "powersgd" in slow.decision
+    assert "the steps: left out" in slow.decision
     counted = C.accounting.bytes_per_replica(trainer.traced_step(dataset, "compressed"), in_loops_only=True)
     assert counted == sum(slow.payload_bytes(trainer.model.trainable_variables).values())
     measured = C.Auto(total_steps=20)  # timed here: two CPU replicas share memory, a fast link

@@ -42,7 +42,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.precision = "float32"             # or mixed_bfloat16 / mixed_float16
     # Gradient compression (fit and loop): none | fp16 | bf16 | int8 | topk | powersgd | sign
     # | dgc | onebit_adam (loop; dgc/onebit_adam need optimizer sgd, momentum 0, clip_norm 0)
-    # | auto (times the link and the compute at start, picks none, fp16 or powersgd; loop).
+    # | auto (times the link and the compute at start, picks none or fp16: never a lossy one; loop).
     c.compression = "none"
     c.compression_args = ml_collections.ConfigDict(dict(
         ratio=0.01,             # topk: fraction of entries sent
