@@ -86,14 +86,17 @@ def without_grappler():
     tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": before})
 
 
-# reverse_tiny on 2 replicas through the binary, 300 steps each: one process trains them all
+# reverse_tiny on 2 replicas through the binary, CONVERGENCE_STEPS each: one process trains
+# them all. The warm-ups end at step 60 (DGC's density, 1-bit Adam's freeze); PowerSGD starts
+# compressing at 20 and drops from rank 8 to 4 at 120.
+CONVERGENCE_STEPS = 200
 SGD = "optimizer.name=sgd;optimizer.momentum=0;optimizer.clip_norm=0"
 CONVERGENCE_RUNS = {
     "none": "none", "topk": "topk", "powersgd": "powersgd", "int8": "int8", "sign": "sign",
-    "dgc": f"dgc:compression_args.ratio=0.01;compression_args.sparsity_warmup_steps=100;"
+    "dgc": f"dgc:compression_args.ratio=0.01;compression_args.sparsity_warmup_steps=60;"
            f"compression_args.clip_norm=1.0;optimizer.learning_rate=0.3;{SGD}",
-    "onebit_adam": f"onebit_adam:compression_args.freeze_step=100;compression_args.clip_norm=1.0;{SGD}",
-    "powersgd_schedule": "powersgd:compression_args.rank_schedule=8@0,4@150;compression_args.warmup_steps=30",
+    "onebit_adam": f"onebit_adam:compression_args.freeze_step=60;compression_args.clip_norm=1.0;{SGD}",
+    "powersgd_schedule": "powersgd:compression_args.rank_schedule=8@0,4@100;compression_args.warmup_steps=20",
 }
 
 
@@ -106,8 +109,8 @@ def reverse_task_runs(tmp_path_factory) -> dict:
     from procs import SCRIPTS, run_python
 
     workdir = tmp_path_factory.mktemp("convergence")
-    done = run_python([str(SCRIPTS / "compression_convergence.py"), str(workdir), "300",
-                       *CONVERGENCE_RUNS.values()], timeout=1500)
+    done = run_python([str(SCRIPTS / "compression_convergence.py"), str(workdir),
+                       str(CONVERGENCE_STEPS), *CONVERGENCE_RUNS.values()], timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = [json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert len(results) == len(CONVERGENCE_RUNS), done.stdout[-3000:]
