@@ -132,9 +132,7 @@ def compression_for(name: str, steps: int = 600, tokens: int = 1024):
     kind, kwargs, embed = CONFIGS[name]
     if kind == "auto":
         return C.Auto(total_steps=steps, tokens=tokens)
-    if kind in ("dgc", "onebit_adam"):
-        return C.from_config(kind, embeddings=embed, **kwargs)
-    if "warmup_steps" in kwargs or "rank_schedule" in kwargs:
+    if kind in ("dgc", "onebit_adam") or "warmup_steps" in kwargs or "rank_schedule" in kwargs:
         return C.from_config(kind, embeddings=embed, **kwargs)
     compressor = C.get(kind, **kwargs)
     return C.Compression(compressor, C.Policy(overrides={EMBED: compressor} if embed else {}))
