@@ -60,7 +60,7 @@ def base_config() -> ml_collections.ConfigDict:
         stages=4,               # dgc: stages of that ramp
         rank_schedule="",       # powersgd: "8@0,4@300" (steps after warmup_steps)
         freeze_step=100,        # onebit_adam: Adam warm-up steps before 1-bit momentum
-        auto_total_steps=600))  # auto: the run's length (its powersgd starts after 10%)
+        auto_total_steps=0))    # auto: the run's length (0: train.steps; its powersgd starts after 10%)
     c.seed = 0
     c.model = "gpt"                     # a name of tfpar.models.MODELS: gpt | encoder | vit
     c.model_args = ml_collections.ConfigDict(dict(dim=128, depth=2, heads=4, mlp_ratio=4, dropout=0.0))

@@ -96,14 +96,25 @@ def _create_strategy(config):
     )
 
 
-def _compression(config, asynchronous: bool):
+def _compression(run: _Run, model):
     from tfpar import compression as compression_lib
 
-    if asynchronous and config.compression != "none":
+    config = run.config
+    if run.asynchronous and config.compression != "none":
         raise ConfigError("config.compression: parameter_server has no all-reduce to compress "
                           "(each worker sends its own gradients). Use multi_worker_mirrored, or "
                           "--config.compression=none.")
-    return compression_lib.from_config(config.compression, **config.compression_args)
+    args = dict(config.compression_args)
+    args["auto_total_steps"] = args["auto_total_steps"] or config.train.steps
+    args["auto_tokens"] = config.train.batch_size // run.info.replicas * _positions(model, run.splits.info)
+    return compression_lib.from_config(config.compression, **args)
+
+
+def _positions(model, info: dict) -> int:
+    """Rows one example puts through the model's matrices: its tokens, or its image patches."""
+    if info["kind"] == "image":
+        return (model.config.image_size // model.config.patch_size) ** 2
+    return info["max_len"]
 
 
 def _wire_bytes(info, model, compression, trainer, train_data, asynchronous,
@@ -193,7 +204,7 @@ def _build(run: _Run) -> None:
                       steps_per_execution=t.steps_per_loop, jit_compile=t.xla)
         optimizer = model.optimizer  # fp16: Keras wrapped it in a LossScaleOptimizer
         optimizer.build(model.trainable_variables)
-        compression = _compression(config, run.asynchronous)
+        compression = _compression(run, model)
         if compression is not None and config.mode == "fit":
             compress_fit(model, compression)
     if config.mode == "loop":

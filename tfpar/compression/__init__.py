@@ -45,13 +45,15 @@ def from_config(name: str, ratio: float = 0.01, rank: int = 4, min_size: int = 1
                 reset_on_restore: bool = False, embeddings: bool = False,
                 momentum: float = 0.9, clip_norm: float = 0.0, masking: bool = True,
                 sparsity_warmup_steps: int = 0, stages: int = 4, rank_schedule: str = "",
-                freeze_step: int = 100, auto_total_steps: int = 600) -> Compression | None:
+                freeze_step: int = 100, auto_total_steps: int = 600,
+                auto_tokens: int = 1024) -> Compression | None:
     """The Compression that `--config.compression=NAME --config.compression_args.*` asks for
     (None for 'none' with no overrides). `overrides`: "regex=name,regex=name"; `skip`: a
     comma-separated list of regexes that replaces the default skip list; `embeddings`: also
     compress the embeddings with NAME. dgc: ratio, momentum, clip_norm, masking,
     sparsity_warmup_steps, stages; powersgd: rank or rank_schedule ("8@0,4@300");
-    warmup_steps: the uncompressed start; onebit_adam: freeze_step, clip_norm."""
+    warmup_steps: the uncompressed start; onebit_adam: freeze_step, clip_norm; auto: the run's
+    steps and one replica's tokens per step (the binary passes both from its config)."""
     def named(key: str) -> Compressor:
         args = {"topk": {"ratio": ratio},
                 "powersgd": {"rank": rank, "rank_schedule": rank_schedule or None},
@@ -70,7 +72,7 @@ def from_config(name: str, ratio: float = 0.01, rank: int = 4, min_size: int = 1
         skip_list = tuple(p for p in DEFAULT_SKIP if "embed" not in p)
     policy_args = {"skip": skip_list} if skip_list is not None else {}
     if name.lower() == "auto":
-        return Auto(total_steps=auto_total_steps)
+        return Auto(total_steps=auto_total_steps, tokens=auto_tokens)
     if name.lower() == "onebit_adam":
         if parsed:
             raise CompressionError("onebit_adam compresses every large tensor's momentum; "
