@@ -113,10 +113,20 @@ class Hosts:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        failed = {}
         for name in [*self.names, self.switch]:
-            _ip("netns", "del", name, check=False)
+            for _ in range(25):  # a process leaving the namespace can hold it for a moment
+                done = _ip("netns", "del", name, check=False)
+                if done.returncode == 0 or not os.path.exists(f"/run/netns/{name}"):
+                    break
+                time.sleep(0.2)
+            else:
+                failed[name] = done.stderr.strip()
         self.names, self.addresses, self._wire = [], [], None
         _LIVE.discard(self)
+        if failed:
+            raise HostsError(f"could not remove network namespaces {failed}: "
+                             "remove them with `ip netns del NAME`")
 
     def _start_wire(self) -> None:
         taps = [self._tap(i) for i in range(self.n)]
