@@ -22,7 +22,7 @@ setup(
         "tensorboard",
     ],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout", "nbclient", "nbformat", "ipykernel"],  # notebooks run in the tests
+        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist", "nbclient", "nbformat", "ipykernel"],  # notebooks run in the tests
         # TPU VMs (Colab, Kaggle, Cloud TPU): TensorFlow's TPU build is its own distribution,
         # 2.20 the newest. `tensorflow` is pinned to the same version so the requirement above
         # does not pull 2.21 beside it; install tensorflow-tpu last (docs/tpu.md) so its files
