@@ -62,10 +62,11 @@ SLOW = (
 )
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups off the items
 def pytest_collection_modifyitems(config, items):
     """Marks the slow tests (see the module docstring) without editing their files, and
-    groups the tests for pytest-xdist: one file runs in one worker (its module fixtures are
-    built once), and every user of `reverse_task_runs` in the same worker (it is built once)."""
+    keeps every user of `reverse_task_runs` in one pytest-xdist worker, so that it is built
+    once; other tests go to whichever worker is free, one at a time."""
     for item in items:
         path = os.path.relpath(str(item.path), str(config.rootpath)).replace(os.sep, "/")
         node = f"{path}::{item.originalname}"
@@ -73,8 +74,8 @@ def pytest_collection_modifyitems(config, items):
         if (item.get_closest_marker("multiprocess") or path in SLOW_FILES or node in SLOW
                 or with_parameters in SLOW):
             item.add_marker(pytest.mark.slow)
-        group = "convergence" if "reverse_task_runs" in item.fixturenames else path
-        item.add_marker(pytest.mark.xdist_group(group))
+        if "reverse_task_runs" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group("convergence"))
 
 
 @pytest.fixture
