@@ -62,11 +62,8 @@ SLOW = (
 )
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups off the items
 def pytest_collection_modifyitems(config, items):
-    """Marks the slow tests (see the module docstring) without editing their files, and
-    keeps every user of `reverse_task_runs` in one pytest-xdist worker, so that it is built
-    once; other tests go to whichever worker is free, one at a time."""
+    """Marks the slow tests (see the module docstring) without editing their files."""
     for item in items:
         path = os.path.relpath(str(item.path), str(config.rootpath)).replace(os.sep, "/")
         node = f"{path}::{item.originalname}"
@@ -74,8 +71,6 @@ def pytest_collection_modifyitems(config, items):
         if (item.get_closest_marker("multiprocess") or path in SLOW_FILES or node in SLOW
                 or with_parameters in SLOW):
             item.add_marker(pytest.mark.slow)
-        if "reverse_task_runs" in item.fixturenames:
-            item.add_marker(pytest.mark.xdist_group("convergence"))
 
 
 @pytest.fixture
@@ -108,7 +103,8 @@ CONVERGENCE_RUNS = {
 @pytest.fixture(scope="session")
 def reverse_task_runs(tmp_path_factory) -> dict:
     """name -> results.json of CONVERGENCE_RUNS, trained once for the convergence tests of
-    test_compression.py and test_compression_dgc.py (one process: TensorFlow starts once)."""
+    test_compression.py and test_compression_dgc.py (one process: TensorFlow starts once).
+    Its users carry `xdist_group("convergence")`: one pytest-xdist worker runs them all."""
     import json
 
     from procs import SCRIPTS, run_python

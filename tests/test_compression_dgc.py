@@ -238,6 +238,7 @@ def test_new_compressors_run_on_two_worker_processes(tmp_path):
 # -- convergence, through the training binary -----------------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("convergence")  # with the other users of reverse_task_runs
 @pytest.mark.parametrize("name", ["dgc", "onebit_adam", "powersgd_schedule"])
 def test_new_compressors_learn_the_reverse_task_through_the_binary(reverse_task_runs, name):
     """reverse_tiny on 2 replicas, 200 steps, through tfpar.train in loop mode: dgc(0.01)
