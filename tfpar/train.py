@@ -98,6 +98,7 @@ def _create_strategy(config):
 
 def _compression(run: _Run, model):
     from tfpar import compression as compression_lib
+    from tfpar import data as data_lib
 
     config = run.config
     if run.asynchronous and config.compression != "none":
@@ -105,8 +106,10 @@ def _compression(run: _Run, model):
                           "(each worker sends its own gradients). Use multi_worker_mirrored, or "
                           "--config.compression=none.")
     args = dict(config.compression_args)
-    args["auto_total_steps"] = args["auto_total_steps"] or config.train.steps
-    args["auto_tokens"] = config.train.batch_size // run.info.replicas * _positions(model, run.splits.info)
+    if config.compression.lower() == "auto":  # its prediction needs the run's length and size
+        args["auto_total_steps"] = args["auto_total_steps"] or config.train.steps
+        args["auto_tokens"] = (data_lib.per_replica_batch_size(config.train.batch_size, run.info.replicas)
+                               * _positions(model, run.splits.info))
     return compression_lib.from_config(config.compression, **args)
 
 
