@@ -257,6 +257,7 @@ class _Step:
         self.losses = [None] * m_count
         self.var_grads = [[None] * len(pipe.group_variables(s)) for s in range(len(pipe.groups))]
         self.last = [None] * pipe.devices  # each device's control chain
+        self.ends = {}  # (kind, group, micro-batch) -> end stamp, when recording
         self.stamps = []
         self.graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
         self.regions = activations.Regions()
@@ -273,13 +274,16 @@ class _Step:
             arriving = {"F": lambda: self.xs[m] if g == 0 else self.outputs[(g - 1, m)],
                         "B": lambda: self.grads_in.get((g + 1, m)), "W": lambda: None}[kind]()
             arriving = self.pipe._hand_to(device, arriving)
-            deps = [t for t in (arriving, self.last[d]) if t is not None]
+            # recorded: a unit also starts after the end stamp of the unit that made its
+            # input, so a drawn consumer never seems to end before its producer
+            producer = {"F": ("F", g - 1, m), "B": ("B", g + 1, m), "W": None}[kind]
+            deps = [t for t in (arriving, self.last[d], self.ends.get(producer)) if t is not None]
             start = self.pipe._stamp(deps) if self.pipe.record else None
             deps = [start] if start is not None else deps
             done = {"F": self._forward, "B": self._backward, "W": self._weights}[kind](g, m, arriving, deps)
             done = done or deps  # a unit with nothing to do (B of the first group) keeps the chain
             if self.pipe.record:  # the device's next unit starts after this one's end
-                self.last[d] = self.pipe._stamp(done)
+                self.last[d] = self.ends[(kind, g, m)] = self.pipe._stamp(done)
                 self.stamps.append(tf.stack([tf.constant(v, tf.float64) for v in (d, m, KIND[kind])]
                                             + [start, self.last[d], tf.constant(g, tf.float64)]))
             else:
