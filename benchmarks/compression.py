@@ -91,6 +91,9 @@ CONFIGS = {
     # issue 13: compressors that keep the model (tfpar.compression.from_config arguments)
     "dgc(0.01)": ("dgc", {"ratio": 0.01, "clip_norm": 1.0, "sparsity_warmup_steps": 60}, True),
     "dgc(0.001)": ("dgc", {"ratio": 0.001, "clip_norm": 1.0, "sparsity_warmup_steps": 60}, True),
+    # a longer density warm-up (a third and a half of 600 steps): measured worse, kept to show it
+    "dgc(0.01)+warm200": ("dgc", {"ratio": 0.01, "clip_norm": 1.0, "sparsity_warmup_steps": 200}, True),
+    "dgc(0.01)+warm300": ("dgc", {"ratio": 0.01, "clip_norm": 1.0, "sparsity_warmup_steps": 300}, True),
     "powersgd(4)+start": ("powersgd", {"rank_schedule": "8@0,4@100", "warmup_steps": 60}, True),
     "onebit_adam": ("onebit_adam", {"freeze_step": 60, "clip_norm": 1.0}, False),
     # DGC's own optimizer without compression (DGC at density 1): what DGC's loss is measured against
