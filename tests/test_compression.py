@@ -313,8 +313,14 @@ def test_every_compressor_runs_on_two_worker_processes(tmp_path):
 
 # -- convergence, through the training binary -----------------------------------------------
 
-@pytest.mark.xdist_group("convergence")  # with the other users of reverse_task_runs
-@pytest.mark.timeout(1500)  # the first user trains the 8 runs (400-500 s idle, past 600 under load)
+def uses_convergence_runs(test):
+    """For the users of `reverse_task_runs`: one pytest-xdist worker runs them all (the runs
+    are trained once), and the first one's setup, which trains them (400-500 s idle, past
+    600 under load), gets the fixture's own 1500 s limit."""
+    return pytest.mark.xdist_group("convergence")(pytest.mark.timeout(1500)(test))
+
+
+@uses_convergence_runs
 def test_compressed_runs_learn_the_task_like_the_uncompressed_one(reverse_task_runs):
     """reverse_tiny on 2 replicas, same steps: topk(0.01), powersgd(4), int8 and sign reach
     the accuracy of `none` (margin: 2 points of exact-sequence accuracy)."""

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from test_compression import mirrored, mlp, mlp_data, run_per_replica
+from test_compression import mirrored, mlp, mlp_data, run_per_replica, uses_convergence_runs
 from tfpar import compression as C
 from tfpar.loop import Trainer
 
@@ -238,8 +238,7 @@ def test_new_compressors_run_on_two_worker_processes(tmp_path):
 # -- convergence, through the training binary -----------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("convergence")  # with the other users of reverse_task_runs
-@pytest.mark.timeout(1500)  # the first user trains the 8 runs (400-500 s idle, past 600 under load)
+@uses_convergence_runs
 @pytest.mark.parametrize("name", ["dgc", "onebit_adam", "powersgd_schedule"])
 def test_new_compressors_learn_the_reverse_task_through_the_binary(reverse_task_runs, name):
     """reverse_tiny on 2 replicas, 200 steps, through tfpar.train in loop mode: dgc(0.01)
