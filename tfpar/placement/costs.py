@@ -28,15 +28,23 @@ def stage_inputs(model, x) -> list[tuple[str, object, tf.Tensor]]:
     return found
 
 
+def _wait(gradients) -> None:
+    """Blocks until every gradient is computed (the embedding's come as IndexedSlices)."""
+    for t in tf.nest.flatten(gradients, expand_composites=True):
+        t.numpy()
+
+
 def _forward_backward(layer):
     @tf.function
     def run(h):
         with tf.GradientTape() as tape:
             if h.dtype.is_floating:
                 tape.watch(h)
-            out = tf.cast(layer(h, training=True), tf.float32)
+            # the sum inside the tape: outside it the gradients are None, the backward is
+            # pruned and only the forward is counted (or, timed, nothing: the graph is empty)
+            total = tf.reduce_sum(tf.cast(layer(h, training=True), tf.float32))
         sources = list(layer.trainable_variables) + ([h] if h.dtype.is_floating else [])
-        return tape.gradient(tf.reduce_sum(out), sources)
+        return tape.gradient(total, sources)
     return run
 
 
@@ -46,11 +54,11 @@ def seconds(model, x, repeats: int = 5) -> dict[str, float]:
     costs = {}
     for name, layer, h in stage_inputs(model, x):
         run = _forward_backward(layer)
-        tf.nest.map_structure(lambda t: t.numpy() if t is not None else None, run(h))  # trace, warm
+        _wait(run(h))  # trace, warm
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            tf.nest.map_structure(lambda t: t.numpy() if t is not None else None, run(h))
+            _wait(run(h))
             times.append(time.perf_counter() - start)
         costs[name] = statistics.median(times)
     return costs
