@@ -52,15 +52,15 @@ from tfpar import placement  # noqa: E402
 from tfpar.models import GPT  # noqa: E402
 from tfpar.placement import costs, schedules, timeline  # noqa: E402
 
-SEQ, VOCAB = 128, 256
+VOCAB = 256
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 PROFILED = ("zb-h1", "zb-v")  # orders built for the unit times they are given
 
 
-def gpt(dim: int = 128, depth: int = 4):
+def gpt(dim: int = 128, depth: int = 4, seq: int = 128):
     """Depth 4: 10 stages, enough for 4 devices x 2 chunks; gpt_tiny's width by default.
     Deeper models cut finer, so the groups balance better."""
-    return GPT(vocab_size=VOCAB, max_len=SEQ, dim=dim, depth=depth, heads=4)
+    return GPT(vocab_size=VOCAB, max_len=seq, dim=dim, depth=depth, heads=4)
 
 
 class Setting:
@@ -175,8 +175,10 @@ def main() -> None:
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     parser.add_argument("--stages", default="2,4")
     parser.add_argument("--micro-batches", default="4,8")
-    parser.add_argument("--batch", type=int, default=128, help="global batch (sequences of 128)")
+    parser.add_argument("--batch", type=int, default=128, help="global batch (sequences of --seq tokens)")
     parser.add_argument("--dim", type=int, default=128, help="model width (matmuls dominate from ~384)")
+    parser.add_argument("--seq", type=int, default=128,
+                        help="tokens per sequence (short and wide: matrix products dominate)")
     parser.add_argument("--depth", type=int, default=4, help="blocks (2 stages each, plus embed and head)")
     parser.add_argument("--cost", default="flops", choices=("flops", "seconds"),
                         help="balance the stages by counted FLOPs or by measured seconds")
@@ -185,9 +187,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    model = gpt(args.dim, args.depth)
+    model = gpt(args.dim, args.depth, args.seq)
     rng = np.random.RandomState(0)
-    tokens = rng.randint(0, VOCAB, size=(args.batch, SEQ + 1)).astype("int32")
+    tokens = rng.randint(0, VOCAB, size=(args.batch, args.seq + 1)).astype("int32")
     batch = (tf.constant(tokens[:, :-1]), tf.constant(tokens[:, 1:]))
     cost = costs.flops(model, batch[0][:8]) if args.cost == "flops" else costs.seconds(model, batch[0][:16])
     settings = [Setting(model, cost, batch, schedule, stages, m)
@@ -224,7 +226,7 @@ def main() -> None:
                      title=f"{args.depth}-block GPT (dim {args.dim}) on {shown_s} logical CPUs, M={shown_m}, measured",
                      theories={s.label: s.pipe.bubble_theory() for s in shown})
     plot(rows, os.path.join(args.out, "placement.png"))
-    result = {"model": f"GPT depth {args.depth}, dim {args.dim}, 4 heads, vocab 256", "seq_len": SEQ, "global_batch": args.batch,
+    result = {"model": f"GPT depth {args.depth}, dim {args.dim}, 4 heads, vocab 256", "seq_len": args.seq, "global_batch": args.batch,
               "balanced_by": args.cost,
               "step": "forward + backward (no optimizer update)",
               "threads": {"intra_op": 1, "inter_op": 4}, "logical_cpus": len(DEVICES),
