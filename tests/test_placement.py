@@ -280,7 +280,9 @@ def test_plans_balance_by_counted_flops_and_measured_seconds():
     # count 3x forward (input and weight gradients), plus a few % of element-wise work
     tokens, dim, hidden = 4 * 16, 64, 256
     assert 1.0 < counted["blocks.0.mlp"] / (12 * tokens * dim * hidden) < 1.1
-    assert counted["blocks.0.attn"] > 3 * 8 * tokens * dim * dim  # q, k, v, o projections
+    # attention: q, k, v, o projections (8 * dim^2 per token) and the two score products
+    # (4 * seq * dim per token), 3x; TensorFlow's own count for these einsums is off by 2-9x
+    assert 1.0 < counted["blocks.0.attn"] / (3 * tokens * (8 * dim * dim + 4 * 16 * dim)) < 1.1
     for name, layer, h in costs.stage_inputs(model, x):  # every weight's gradient is computed
         assert all(g is not None for g in costs._forward_backward(layer)(h)), name
     timed = costs.seconds(model, x, repeats=2)
