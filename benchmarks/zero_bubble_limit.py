@@ -8,8 +8,9 @@ zb-h1 order built for those times and 1F1B at the same times, three ways:
 - as measured: the plan's real split of the work between the two devices;
 - balanced: each device's units scaled so both do the same work a step, keeping each
   device's own F : B : W ratio (what a cut fine enough to balance would give on this CPU);
-- GPU-like (in units of F, not seconds): balanced, with B + W = 2 F (F = B = W; the first device, whose input is token
-  ids, has no B and W = 2 F), the ratio the zero-bubble paper assumes.
+- GPU-like (in units of F, not seconds): balanced, with B + W = 2 F (F = B = W; the first
+  device, whose input is token ids, has no B and W = 2 F), the ratio the zero-bubble paper
+  assumes.
 The least zb-h1 / 1F1B bubble ratio each way is what no order can beat at those times.
 """
 
@@ -22,20 +23,24 @@ import os
 from tfpar.placement import schedules
 
 
+def work(durations: dict, device: int) -> float:
+    """One micro-batch's F + B + W on `device`."""
+    return sum(v for (_, d), v in durations.items() if d == device)
+
+
 def replay(durations: dict, micro_batches: int) -> dict:
     """zb-h1 (ordered for `durations`) and 1F1B replayed at `durations`; their bubbles."""
     zb = schedules.order("zb-h1", 2, 2, micro_batches, durations)
     zb_bubble = schedules.bubble(schedules.simulate(zb, 2, durations, split_backward=True), 2)
     one = schedules.order("1f1b", 2, 2, micro_batches)
     one_bubble = schedules.bubble(schedules.simulate(one, 2, durations), 2)
-    work = [micro_batches * sum(v for (_, d), v in durations.items() if d == device) for device in (0, 1)]
-    return {"work_per_device": work, "zb-h1": zb_bubble, "1f1b": one_bubble,
+    return {"work_per_device": [micro_batches * work(durations, d) for d in (0, 1)], "zb-h1": zb_bubble, "1f1b": one_bubble,
             "ratio": zb_bubble / one_bubble}
 
 
 def balanced(durations: dict) -> dict:
     """Each device's units scaled to the same total, its own F : B : W kept."""
-    totals = {d: sum(v for (_, dd), v in durations.items() if dd == d) for d in (0, 1)}
+    totals = {d: work(durations, d) for d in (0, 1)}
     mean = sum(totals.values()) / 2
     return {(k, d): v * mean / totals[d] for (k, d), v in durations.items()}
 

@@ -9,6 +9,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -84,17 +85,14 @@ def flops(model, x) -> dict[str, float]:
 
 
 def _op_flops(graph, op) -> float:
+    """FLOPs of one op of a traced graph (0 where its shapes or its count are unknown)."""
     if op.type in ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"):
         a, b = (t.shape for t in op.inputs[:2])
-        if a.rank is None or b.rank is None or not (a.is_fully_defined() and b.is_fully_defined()):
+        if not (a.is_fully_defined() and b.is_fully_defined()):
             return 0.0
-        rows = a[-1] if op.get_attr("adj_x") else a[-2]
-        inner = a[-2] if op.get_attr("adj_x") else a[-1]
+        rows, inner = (a[-1], a[-2]) if op.get_attr("adj_x") else (a[-2], a[-1])
         cols = b[-2] if op.get_attr("adj_y") else b[-1]
-        out = op.outputs[0].shape  # batch dims, broadcast
-        batch = 1
-        for n in out[:-2]:
-            batch *= n
+        batch = math.prod(op.outputs[0].shape[:-2])  # the batch dims, broadcast
         return 2.0 * batch * rows * inner * cols
     if op.type == "Einsum" and len(op.inputs) == 2:  # no count registered: 2 x every label's size
         inputs, _ = op.get_attr("equation").decode().replace(" ", "").split("->")
@@ -103,11 +101,8 @@ def _op_flops(graph, op) -> float:
             if "." in labels or not tensor.shape.is_fully_defined():
                 return 0.0
             sizes.update(zip(labels, tensor.shape))
-        product = 1
-        for n in sizes.values():
-            product *= n
-        return 2.0 * product
-    try:
+        return 2.0 * math.prod(sizes.values())
+    try:  # an op type without a registered count gives None
         return float(ops.get_stats_for_node_def(graph, op.node_def, "flops").value or 0)
-    except ValueError:  # no count registered for this op type
+    except ValueError:  # a registered count that needs shapes the graph does not know
         return 0.0
