@@ -118,6 +118,10 @@ class Setting:
                 "bubble_theory": self.pipe.bubble_theory(),
                 "bubble_simulated": float(self._simulated(typical)),
                 "unit_ms": {f"{k}{d}": 1000 * v for (k, d), v in sorted(timeline.unit_times(typical).items())},
+                # units beside another device's over units alone (median durations): how much
+                # a device alone gains from the cores the others leave idle (replays ignore it)
+                "alone_speedup": timeline.alone_speedup(typical),
+                "timings": typical.tolist(),  # the drawn step: device, micro-batch, kind, start, end, group
                 "activation_bytes": {str(k): v for k, v in self.pipe.activation_bytes.items()},
                 "activation_peak_bytes": max(v for k, v in self.pipe.activation_bytes.items()
                                              if isinstance(k, int)),
@@ -216,7 +220,8 @@ def main() -> None:
     for r in rows:
         print(f"{r['schedule']:>11} S={r['stages']} M={r['micro_batches']}: {r['step_ms']:7.1f} ms/step, bubble "
               f"{r['bubble']:.3f} (theory {r['bubble_theory']:.3f}, replayed {r['bubble_simulated']:.3f}), "
-              f"peak activations {r['activation_peak_bytes'] / 2**20:.1f} MiB", flush=True)
+              f"peak activations {r['activation_peak_bytes'] / 2**20:.1f} MiB, units alone faster by "
+              + ", ".join(f"{k} {v:.2f}x" for k, v in r["alone_speedup"].items()), flush=True)
     shown_s, shown_m = rows[0]["stages"], max(r["micro_batches"] for r in rows if r["stages"] == rows[0]["stages"])
     if any(r["stages"] == 2 and r["micro_batches"] == 8 for r in rows):
         shown_s, shown_m = 2, 8

@@ -137,6 +137,19 @@ def test_trainer_with_a_pipeline_trains_like_the_unsplit_model(tmp_path):
     assert (tmp_path / "gantt.png").stat().st_size > 1000 and (tmp_path / "p.gif").stat().st_size > 1000
 
 
+def test_alone_speedup_compares_units_alone_with_units_beside_another_device():
+    # (device, micro-batch, kind, start, end, group): device 0's forwards take 1 s alone and
+    # 1.5 s beside device 1's; the half-overlapped pair (3.0-4.0 / 2.5-3.5) counts for neither
+    timings = np.array([[0, 0, 0, 0.0, 1.0, 0], [0, 1, 0, 1.0, 2.5, 0], [0, 2, 0, 3.0, 4.0, 0],
+                        [1, 0, 0, 1.0, 2.5, 1], [1, 1, 0, 2.5, 3.5, 1], [1, 2, 0, 4.0, 4.8, 1],
+                        # a third device, beside the same instants as device 1: not counted twice
+                        # (summed, the half-overlapped 3.0-4.0 would seem fully beside others)
+                        [2, 0, 0, 1.0, 2.5, 2], [2, 1, 0, 3.0, 3.5, 2]])
+    found = placement.timeline.alone_speedup(timings)
+    # device 2 never runs alone: left out
+    assert found == {"F0": pytest.approx(1.5), "F1": pytest.approx(1.5 / 0.8)}
+
+
 def _train(model, trainer_kwargs, strategy, steps=4):
     """SGD with momentum for `steps` steps on one fixed global batch of 8."""
     import keras
