@@ -29,7 +29,9 @@ compressor. Each worker process trains every configuration in turn (a fresh mode
 optimizer each, seeded alike), so TensorFlow and the cluster start once per link.
 
 Per configuration: bytes one replica hands to collectives per step and the ratio to one
-float32 all-reduce (Trainer.wire_bytes, counted from the traced step), the validation loss
+float32 all-reduce (Trainer.wire_bytes, counted from the traced step of the last phase),
+"run_ratio": the same ratio averaged over the whole run (the uncompressed start and every
+stage of a rank or density schedule, analytic bytes), the validation loss
 on a fixed subset (the first --eval-examples validation windows) every --eval-every steps,
 and the step time (median over the tf.function calls of --steps-per-loop steps after the
 first --warmup-calls, evaluation excluded).
@@ -95,6 +97,13 @@ CONFIGS = {
     "dgc(0.01)+warm200": ("dgc", {"ratio": 0.01, "clip_norm": 1.0, "sparsity_warmup_steps": 200}, True),
     "dgc(0.01)+warm300": ("dgc", {"ratio": 0.01, "clip_norm": 1.0, "sparsity_warmup_steps": 300}, True),
     "powersgd(4)+start": ("powersgd", {"rank_schedule": "8@0,4@100", "warmup_steps": 60}, True),
+    # the start and the rank schedule varied (issue 13's PowerSGD gap): a longer start, and
+    # higher ranks for longer before rank 4
+    "powersgd(4)+start120": ("powersgd", {"rank_schedule": "8@0,4@100", "warmup_steps": 120}, True),
+    "powersgd(4)+start+8to300": ("powersgd", {"rank_schedule": "8@0,4@300", "warmup_steps": 60}, True),
+    "powersgd(4)+start+16-8-4": ("powersgd", {"rank_schedule": "16@0,8@150,4@350", "warmup_steps": 60}, True),
+    "powersgd(4)+start120+16-8-4": ("powersgd", {"rank_schedule": "16@0,8@150,4@350", "warmup_steps": 120}, True),
+    "powersgd(4)+start120+16-8-4@250": ("powersgd", {"rank_schedule": "16@0,8@100,4@250", "warmup_steps": 120}, True),
     "onebit_adam": ("onebit_adam", {"freeze_step": 60, "clip_norm": 1.0}, False),
     # DGC's own optimizer without compression (DGC at density 1): what DGC's loss is measured against
     "none(sgd)": ("none", {}, False),
@@ -215,7 +224,22 @@ def _wire(trainer, compression, train_data, replicas: int, steps: int) -> dict:
     return {"bytes_per_step": sent, "fp32_bytes_per_step": dense, "ratio": dense / sent,
             "link_bytes_per_worker": accounting.link_bytes_per_worker(step, replicas),
             "analytic_bytes_per_step": sum(compression.payload_bytes(variables, phase).values())
-            if compression is not None else dense, "phase": str(phase)}
+            if compression is not None else dense, "phase": str(phase),
+            "run_ratio": dense / _mean_analytic_bytes(compression, variables, steps)
+            if compression is not None else 1.0}
+
+
+def _mean_analytic_bytes(compression, variables, steps: int) -> float:
+    """Analytic bytes per replica per step averaged over the whole run: the uncompressed
+    start and every stage of a rank or density schedule at what it sends ("ratio" is the
+    last phase's alone)."""
+    per_phase, total = {}, 0.0
+    for step in range(steps):
+        phase = compression.phase(step)
+        if phase not in per_phase:
+            per_phase[phase] = sum(compression.payload_bytes(variables, phase).values())
+        total += per_phase[phase]
+    return total / steps
 
 
 def steps_for(name: str, args) -> int:
@@ -500,6 +524,7 @@ def table(results: dict) -> list[dict]:
         none = configs.get("none")
         for name, r in configs.items():
             row = {"run": run, "config": name, "bytes_per_step": r["bytes_per_step"], "ratio": r["ratio"],
+                   "run_ratio": r.get("run_ratio"),  # older JSONs have none
                    "link_bytes_per_worker": r["link_bytes_per_worker"], "step_s": r["step_time_s"],
                    "compute_s": r["compute_s"], "collective_s": r["collective_s"],
                    "achieved_link_mbit_s": r["achieved_link_mbit_s"], "final_val_loss": r["final_val_loss"],
@@ -546,13 +571,14 @@ def print_table(rows: list[dict]) -> None:
     def cell(value, fmt, width):
         return ("-" if value is None else format(value, fmt)).rjust(width)
 
-    header = (f"{'run':<14} {'config':<18} {'B/step':>10} {'ratio':>6} {'link B/w':>10} {'step ms':>8} "
+    header = (f"{'run':<14} {'config':<18} {'B/step':>10} {'ratio':>6} {'run':>6} {'link B/w':>10} {'step ms':>8} "
               f"{'comp ms':>8} {'Mbit/s':>7} {'val':>7} {'gap':>7} {'ttq s':>7} {'ttq/none':>8}")
     print(header)
     print("-" * len(header))
     for r in rows:
         gap = r.get("gap_vs_none")
         print(f"{r['run']:<14} {r['config']:<18} {r['bytes_per_step']:>10,} {r['ratio']:>5.1f}x "
+              f"{cell(r.get('run_ratio'), '5.1f', 5)}x "
               f"{r['link_bytes_per_worker']:>10,.0f} {1000 * r['step_s']:>8.0f} {1000 * r['compute_s']:>8.0f} "
               f"{cell(r['achieved_link_mbit_s'], '.0f', 7)} {r['final_val_loss']:>7.4f} "
               f"{cell(None if gap is None else 100 * gap, '+.2f', 7)} {cell(r['time_to_quality_s'], '.0f', 7)} "
