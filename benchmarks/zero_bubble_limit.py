@@ -51,8 +51,12 @@ def main() -> None:
     args = parser.parse_args()
     with open(os.path.join(args.results, "placement.json")) as f:
         runs = json.load(f)["runs"]
-    row = max((r for r in runs if r["schedule"] == "zb-h1" and r["stages"] == 2),
-              key=lambda r: r["micro_batches"])
+    rows = [r for r in runs if r["schedule"] == "zb-h1" and r["stages"] == 2]
+    if not rows:
+        parser.error(f"{args.results}/placement.json has no profiled zb-h1 run at S=2 (the replay "
+                     "models two devices): run benchmarks/placement.py with --stages=2 and zb-h1 in "
+                     "--schedules first.")
+    row = max(rows, key=lambda r: r["micro_batches"])
     m = row["micro_batches"]
     measured = {(name[0], int(name[1:])): max(ms / 1000, 1e-9) for name, ms in row["unit_ms"].items()}
     gpu_like = {("F", 0): 1.0, ("B", 0): 1e-9, ("W", 0): 2.0, ("F", 1): 1.0, ("B", 1): 1.0, ("W", 1): 1.0}
