@@ -571,7 +571,7 @@ def print_table(rows: list[dict]) -> None:
     def cell(value, fmt, width):
         return ("-" if value is None else format(value, fmt)).rjust(width)
 
-    header = (f"{'run':<14} {'config':<18} {'B/step':>10} {'ratio':>6} {'run':>6} {'link B/w':>10} {'step ms':>8} "
+    header = (f"{'run':<14} {'config':<18} {'B/step':>10} {'ratio':>6} {'whole':>6} {'link B/w':>10} {'step ms':>8} "
               f"{'comp ms':>8} {'Mbit/s':>7} {'val':>7} {'gap':>7} {'ttq s':>7} {'ttq/none':>8}")
     print(header)
     print("-" * len(header))
