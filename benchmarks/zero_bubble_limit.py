@@ -34,8 +34,8 @@ def replay(durations: dict, micro_batches: int) -> dict:
     zb_bubble = schedules.bubble(schedules.simulate(zb, 2, durations, split_backward=True), 2)
     one = schedules.order("1f1b", 2, 2, micro_batches)
     one_bubble = schedules.bubble(schedules.simulate(one, 2, durations), 2)
-    return {"work_per_device": [micro_batches * work(durations, d) for d in (0, 1)], "zb-h1": zb_bubble, "1f1b": one_bubble,
-            "ratio": zb_bubble / one_bubble}
+    return {"work_per_device": [micro_batches * work(durations, d) for d in (0, 1)],
+            "zb-h1": zb_bubble, "1f1b": one_bubble, "ratio": zb_bubble / one_bubble}
 
 
 def balanced(durations: dict) -> dict:

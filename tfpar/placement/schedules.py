@@ -93,10 +93,10 @@ def _interleaved(d: int, devices: int, chunks: int, micro_batches: int) -> list[
 
 def _zb_h1(devices: int, micro_batches: int, durations: Mapping = NOMINAL) -> list[list[Unit]]:
     """The zero-bubble order for these unit durations: the greedy list schedule (see
-    `_zb_greedy`) tried with a few policies, and the order for equal times; the one whose
-    replay ends first wins (the fewest activations held on a tie). With measured durations (`durations[(kind, device)]`,
-    e.g. from `timeline.unit_times`) this is a profile-guided order, as the paper's
-    automatic schedule."""
+    `_zb_greedy`) tried with a few policies (see `_best`); the one whose replay ends first
+    wins (the fewest activations held on a tie). With measured durations
+    (`durations[(kind, device)]`, e.g. from `timeline.unit_times`) this is a profile-guided
+    order, as the paper's automatic schedule."""
     def one_f_one_b(d):
         return devices - d  # micro-batches held (F done, W not): exactly 1F1B's
 
@@ -105,10 +105,7 @@ def _zb_h1(devices: int, micro_batches: int, durations: Mapping = NOMINAL) -> li
 
     policies = [_Policy(memory, one_f_one_b, lazy_w)
                 for memory in (one_f_one_b, h1) for lazy_w in (False, True)]
-    # the greedy is not optimal: at some measured times the order built for equal times
-    # replays shorter than any built for the measured ones, so it is a candidate too
-    equal = [] if durations == NOMINAL else [_zb_h1(devices, micro_batches)]
-    return _best(list(range(devices)), devices, micro_batches, durations, policies, equal)
+    return _best(list(range(devices)), devices, micro_batches, durations, policies)
 
 
 def v_device(group: int, devices: int) -> int:
@@ -133,8 +130,7 @@ def _zb_v(devices: int, micro_batches: int, durations: Mapping = NOMINAL) -> lis
                 for w_first in (False, True) for lazy_w in (False, True)]
     device_of = [v_device(g, devices) for g in range(2 * devices)]
     handcrafted = [_v_handcrafted(d, devices, micro_batches) for d in range(devices)]
-    equal = [] if durations == NOMINAL else [_zb_v(devices, micro_batches)]  # as in _zb_h1
-    return _best(device_of, devices, micro_batches, durations, policies, [handcrafted] + equal)
+    return _best(device_of, devices, micro_batches, durations, policies, [handcrafted])
 
 
 def _v_handcrafted(d: int, devices: int, micro_batches: int) -> list[Unit]:
@@ -173,7 +169,12 @@ class _Deadlock(Exception):
 
 def _best(device_of, devices, micro_batches, durations, policies, fixed=()) -> list[list[Unit]]:
     """Of the greedy orders under `policies` and the `fixed` orders, the one whose replay at
-    `durations` ends first; on a tie the one holding the fewest micro-batches, then the first."""
+    `durations` ends first; on a tie the one holding the fewest micro-batches, then the first.
+    With measured durations the order this picks for equal ones is a candidate too: the
+    greedy is not optimal, and at some measured times that order replays shorter than any
+    built for those times, so a profiled order never replays longer than it."""
+    if durations != NOMINAL:
+        fixed = [*fixed, _best(device_of, devices, micro_batches, NOMINAL, policies, fixed)]
     best = None
     candidates = [lambda p=p: _zb_greedy(device_of, devices, micro_batches, durations, p)
                   for p in policies] + [lambda o=o: o for o in fixed]

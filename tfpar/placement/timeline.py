@@ -76,9 +76,10 @@ def alone_speedup(timings: np.ndarray, alone: float = 0.25, together: float = 0.
         >>> timeline.alone_speedup(timings)      # {'F0': 1.8, 'B1': 1.3, ...}
     """
     timings = np.asarray(timings, dtype=np.float64)
+    others = {d: timings[timings[:, 0] != d][:, 3:5] for d in set(timings[:, 0].tolist())}
     durations: dict = {}
     for d, _, k, start, end, *_ in timings:
-        share = _covered(timings[timings[:, 0] != d][:, 3:5], start, end) / (end - start) if end > start else 0.0
+        share = _covered(others[d], start, end) / (end - start) if end > start else 0.0
         kind = "alone" if share <= alone else "together" if share >= together else None
         if kind:
             durations.setdefault(f"{'FBW'[int(k)]}{int(d)}", {}).setdefault(kind, []).append(end - start)
