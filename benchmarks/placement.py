@@ -21,7 +21,8 @@ a profile-guided order); their theory for the goals is that order replayed at th
 since equal times are not what this model's stages take.
 It writes a Gantt chart per setting and ONE animated GIF of the schedules at S=2, M=8 (or
 the first S and the largest M asked for) playing side by side on one clock, from measured
-timings. The CPU is split into 4 logical devices with intra_op=1 and inter_op=4 threads,
+timings. A GPU, where there is one, is split into 2 logical GPUs (S = 2 only; see
+benchmarks/gpu_check.sh). The CPU is split into 4 logical devices with intra_op=1 and inter_op=4 threads,
 so stages overlap only as the schedule lets them. Plans are balanced by counted FLOPs, or
 by measured seconds (`--cost=seconds`: what this CPU takes per stage, forward + backward).
 Speed lives here, never in tests.
@@ -44,7 +45,9 @@ tf.config.threading.set_inter_op_parallelism_threads(4)
 
 from tfpar.strategy import runtime  # noqa: E402
 
-DEVICES = runtime.split_devices(4)
+# a GPU is split in 2 (the GPU run: S = 2), the CPU in 4
+KIND = "GPU" if tf.config.list_physical_devices("GPU") else "CPU"
+DEVICES = runtime.split_devices(2 if KIND == "GPU" else 4, gpu_memory_mb=16 << 10)
 
 import numpy as np  # noqa: E402
 
@@ -228,14 +231,14 @@ def main() -> None:
     shown = [s for s in settings if (s.stages, s.micro_batches) == (shown_s, shown_m)]
     timeline.animate({s.label: s.timings[len(s.timings) // 2] for s in shown},
                      os.path.join(args.out, "pipeline_schedules.gif"),
-                     title=f"{args.depth}-block GPT (dim {args.dim}) on {shown_s} logical CPUs, M={shown_m}, measured",
+                     title=f"{args.depth}-block GPT (dim {args.dim}) on {shown_s} logical {KIND}s, M={shown_m}, measured",
                      theories={s.label: s.pipe.bubble_theory() for s in shown})
     plot(rows, os.path.join(args.out, "placement.png"))
     result = {"model": f"GPT depth {args.depth}, dim {args.dim}, 4 heads, vocab 256", "seq_len": args.seq, "global_batch": args.batch,
               "balanced_by": args.cost,
               "step": "forward + backward (no optimizer update)",
-              "threads": {"intra_op": 1, "inter_op": 4}, "logical_cpus": len(DEVICES),
-              "physical_cores": os.cpu_count(), "gif": "pipeline_schedules.gif",
+              "threads": {"intra_op": 1, "inter_op": 4}, "logical_devices": len(DEVICES),
+              "device_kind": KIND, "physical_cores": os.cpu_count(), "gif": "pipeline_schedules.gif",
               "goals": goals(rows), "runs": rows}
     with open(os.path.join(args.out, "placement.json"), "w") as f:
         json.dump(result, f, indent=2)

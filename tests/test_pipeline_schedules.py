@@ -394,3 +394,35 @@ def test_zb_v_bad_combinations_are_refused_at_start():
     assert zb_v.bubble_theory() == pytest.approx(1 / 3)
     with pytest.raises(placement.PlacementError, match="inside tf.function"):
         zb_v.forward_backward(*batch(), share)
+
+
+def test_a_stamp_on_a_gpu_waits_for_the_data_not_for_the_queue():
+    """A GPU kernel is only queued when ops after it by control dependency run: a stamp on a
+    GPU stage waits on a host copy of its float inputs (one element each, summed), while
+    stamps (already on the host) and other devices' stages keep plain control inputs."""
+    from tfpar.placement.pipeline import Pipeline
+
+    def ancestors(op):
+        seen, stack = set(), [op]
+        while stack:
+            op = stack.pop()
+            if op.name not in seen:
+                seen.add(op.name)
+                stack.extend([t.op for t in op.inputs] + list(op.control_inputs))
+        return seen
+
+    graph = tf.Graph()
+    with graph.as_default():
+        h, g = tf.ones([4, 3]) * 2.0, tf.zeros([0])  # an empty gradient too
+        earlier = tf.timestamp()
+        on_cpu = Pipeline._stamp([h, g, earlier], "/device:CPU:1")
+        on_gpu = Pipeline._stamp([h, g, earlier], "/job:localhost/replica:0/task:0/device:GPU:0")
+    assert {op.name for op in on_cpu.op.control_inputs} == {h.op.name, g.op.name, earlier.op.name}
+    waits = {op.name: op for op in on_gpu.op.control_inputs}
+    assert earlier.op.name in waits and h.op.name not in waits and g.op.name not in waits
+    (probe,) = [op for name, op in waits.items() if name != earlier.op.name]
+    assert probe.type == "Identity" and "CPU" in probe.device.upper()
+    assert probe.inputs[0].op.type == "AddN"
+    assert {h.op.name, g.op.name} <= ancestors(probe) and earlier.op.name not in ancestors(probe)
+    with tf.compat.v1.Session(graph=graph) as session:  # an empty tensor sums to 0, runs
+        session.run(on_gpu.op.control_inputs)

@@ -37,8 +37,18 @@ def test_describe_each_local_kind():
     assert [d.rsplit(":", 1)[-1] for d in mirrored.devices] == ["0", "1", "2", "3"]
     one = tfpar.describe(tfpar.create_strategy("one_device", devices=["/cpu:1"]))
     assert (one.kind, one.replicas) == ("one_device", 1) and one.devices[0].endswith("CPU:1")
-    assert tfpar.describe(tfpar.create_strategy("off")).kind == "default"
+    default = tfpar.describe(tfpar.create_strategy("off"))
+    assert default.kind == "default" and default.devices == ("/device:CPU:0",)
     assert keras_fixes.is_applied()
+
+
+def test_the_default_strategy_is_described_on_the_first_gpu(monkeypatch):
+    """TensorFlow places ops on GPU:0 when there is one; tfpar-check on an H200 reported
+    (and measured its matmul on) CPU:0, the first logical device listed."""
+    from tfpar.strategy import runtime
+
+    monkeypatch.setattr(runtime, "local_compute_devices", lambda: ["/device:GPU:0", "/device:GPU:1"])
+    assert tfpar.describe(tfpar.create_strategy("off")).devices == ("/device:GPU:0",)
 
 
 def test_all_reduce_options_map_to_cross_device_ops():

@@ -194,11 +194,14 @@ class Pipeline:
         return tf.identity(tensor)
 
     @staticmethod
-    def _stamp(deps) -> tf.Tensor:
+    def _stamp(deps, device: str = "") -> tf.Tensor:
         """tf.timestamp() after `deps`. Inside tf.function, automatic control dependencies
         chain every stateful op without a resource input (tf.timestamp is one) in creation
         order, which would serialise the stages; marked independent it only runs after
-        `deps` and before the function returns."""
+        `deps` and before the function returns. On a GPU `device` the stamp waits for the
+        data of `deps` (see `_landed`), not for their kernels to be queued."""
+        if "GPU" in device.upper():
+            deps = _landed(deps)
         with tf.control_dependencies(deps):
             stamp = tf.timestamp()
         manager = getattr(stamp.graph, "experimental_acd_manager", None)
@@ -278,12 +281,12 @@ class _Step:
             # input, so a drawn consumer never seems to end before its producer
             producer = {"F": ("F", g - 1, m), "B": ("B", g + 1, m), "W": None}[kind]
             deps = [t for t in (arriving, self.last[d], self.ends.get(producer)) if t is not None]
-            start = self.pipe._stamp(deps) if self.pipe.record else None
+            start = self.pipe._stamp(deps, device) if self.pipe.record else None
             deps = [start] if start is not None else deps
             done = {"F": self._forward, "B": self._backward, "W": self._weights}[kind](g, m, arriving, deps)
             done = done or deps  # a unit with nothing to do (B of the first group) keeps the chain
             if self.pipe.record:  # the device's next unit starts after this one's end
-                self.last[d] = self.ends[(kind, g, m)] = self.pipe._stamp(done)
+                self.last[d] = self.ends[(kind, g, m)] = self.pipe._stamp(done, device)
                 self.stamps.append(tf.stack([tf.constant(v, tf.float64) for v in (d, m, KIND[kind])]
                                             + [start, self.last[d], tf.constant(g, tf.float64)]))
             else:
@@ -337,6 +340,23 @@ class _Step:
         for i, grad in enumerate(weight_grads):
             total = self.var_grads[g][i]
             self.var_grads[g][i] = grad if total is None or grad is None else total + grad
+
+
+def _landed(deps: list) -> list:
+    """`deps` with their float tensors replaced by one host-side probe of their data.
+
+    A GPU kernel is queued, not finished, when the ops that depend on it by control run, so a
+    timestamp after it would stamp the queueing. One element of each tensor, summed on the
+    GPU and copied to the host, arrives only once every kernel that made them has finished.
+    """
+    floats = [t for t in deps if isinstance(t, tf.Tensor) and t.dtype.is_floating
+              and t.op.type != "Timestamp"]  # stamps are on the host already
+    if not floats:
+        return deps
+    probe = tf.add_n([tf.reduce_sum(tf.cast(tf.reshape(t, [-1])[:1], tf.float32)) for t in floats])
+    with tf.device("/device:CPU:0"):
+        probe = tf.identity(probe)
+    return [t for t in deps if not any(t is f for f in floats)] + [probe]
 
 
 def _weight_only_frontier(graph, first, weight_grads, input_grad, regions, unit) -> list:

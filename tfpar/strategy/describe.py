@@ -12,6 +12,7 @@ import dataclasses
 
 import tensorflow as tf
 
+from tfpar.strategy import runtime
 from tfpar.strategy.cluster import is_chief
 
 
@@ -60,8 +61,8 @@ def describe(strategy: tf.distribute.Strategy | None = None) -> StrategyInfo:
     elif kind == "tpu":
         num_workers = strategy.extended.num_hosts
     chief = is_chief(jobs, task_type, task_index)
-    if kind == "default":
-        devices = (tf.config.list_logical_devices()[0].name,)
+    if kind == "default":  # where TensorFlow places ops: the first GPU if there is one
+        devices = (runtime.local_compute_devices()[0],)
     elif kind == "parameter_server":
         devices = tuple(strategy.extended.parameter_devices)
     else:

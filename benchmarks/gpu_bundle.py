@@ -1,0 +1,146 @@
+"""Packs TensorFlow for a GPU machine that has no TensorFlow and takes 64 MiB per call.
+
+    python benchmarks/gpu_bundle.py --out=/tmp/gpu      # /tmp/gpu/parts/part00 ... part10
+
+The `device` machines of this workplace (one H200, Python 3.12, CUDA 13 libraries, no
+TensorFlow, no network) take the working tree plus at most 64 MiB per call. TensorFlow
+2.21's wheel alone is 573 MB, and it needs CUDA 12 libraries (cuBLAS 12 is 581 MB more).
+This script builds what one H200 run needs, as about 615 MB of zstd in 54 MiB parts:
+
+- TensorFlow 2.21 (cp312) and its pure-Python needs, as pip would unpack them; the C++
+  headers and the unused StableHLO extension left out;
+- the GPU kernels for every architecture but sm_90 zeroed in place (libtensorflow_cc,
+  libtensorflow_framework, cuBLAS 12): the fat binaries keep their layout, so the driver
+  still finds the sm_90 code and the PTX, and zeros compress to nothing;
+- cuBLAS 12 and the CUDA 12 runtime (real), cuDNN 9's loader library (TensorFlow loads
+  cuDNN's parts only when a convolution runs), and empty stand-ins for cuFFT, cuSOLVER,
+  cuSPARSE and cuRAND: TensorFlow opens them at start and registers no GPU if one is
+  missing, but a transformer's step never calls them (an FFT or a linear solve would fail);
+- ptxas and libdevice for XLA; a zstd binary for the far side.
+
+On the device machine (what the closing note of issue 18, stop 26, ran):
+    (11 calls, one part each, carry [".gpu"]): cp .gpu/* /tmp/acc/
+    cat /tmp/acc/part* | LD_LIBRARY_PATH=/tmp/acc /tmp/acc/zstd -d --long=27 | tar -x -C /tmp/site
+    SITE=/tmp/site bash benchmarks/gpu_check.sh
+Each upload call took about 5 s of device time, the unpacking about 10 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import zipfile
+
+FATBIN_MAGIC = 0xBA55ED50
+KEEP_ARCH = 90  # the H100/H200's sm_90 (and its PTX)
+WHEELS = ("tensorflow==2.21.0", "keras==3.15.1", "ml_collections==1.1.0", "optree==0.20.0",
+          "namex==0.1.0", "gast==0.7.0", "astunparse==1.6.3", "google-pasta==0.2.0",
+          "termcolor==3.3.0", "protobuf==7.36.2", "ml_dtypes==0.7.0", "numpy==2.4.6",
+          "opt_einsum==3.4.0", "flatbuffers==25.12.19", "wrapt==2.5.2")
+CUDA_WHEELS = ("nvidia-cuda-runtime-cu12==12.9.79", "nvidia-cuda-nvcc-cu12==12.9.86",
+               "nvidia-cublas-cu12==12.9.3.13", "nvidia-cudnn-cu12==9.3.0.75")
+STAND_INS = ("libcufft.so.11", "libcusolver.so.11", "libcusparse.so.12", "libcurand.so.10")
+
+
+def zero_other_architectures(path: str, keep: int = KEEP_ARCH) -> dict[tuple[int, int], int]:
+    """Zeroes, in place, every entry of the `.nv_fatbin` section not built for `keep`.
+
+    Returns bytes per (kind, arch) found; kind 1 is PTX, 2 is machine code (ELF).
+    """
+    sections = subprocess.check_output(["readelf", "-S", "-W", path], text=True)
+    line = next(s for s in sections.splitlines() if ".nv_fatbin" in s)
+    fields = line.split("]", 1)[1].split()
+    start, size = int(fields[3], 16), int(fields[4], 16)
+    found: dict[tuple[int, int], int] = {}
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+        position, end = start, start + size
+        while position < end:
+            magic, _, header, body = struct.unpack_from("<IHHQ", m, position)
+            if magic != FATBIN_MAGIC:
+                position += 8
+                continue
+            entry, last = position + header, position + header + body
+            while entry < last:
+                kind, _, entry_header, entry_size = struct.unpack_from("<HHIQ", m, entry)
+                arch = struct.unpack_from("<I", m, entry + 28)[0]
+                found[(kind, arch)] = found.get((kind, arch), 0) + entry_size
+                if arch != keep:
+                    m[entry + entry_header:entry + entry_header + entry_size] = bytes(entry_size)
+                entry += entry_header + entry_size
+            position = last
+        m.flush()
+    return found
+
+
+def download(wheels, folder: str) -> None:
+    platforms = [f"--platform={p}" for p in ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
+                                             "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+                                             "manylinux_2_12_x86_64", "manylinux2010_x86_64")]
+    subprocess.check_call([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                           "--only-binary=:all:", "--python-version=3.12", "--implementation=cp",
+                           *platforms, "-d", folder, *wheels])
+
+
+def extract(wheel: str, member: str, to: str) -> None:
+    with zipfile.ZipFile(wheel) as z, z.open(member) as src, open(to, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+
+
+def build(out: str, part_mib: int = 54) -> None:
+    wheels, site = os.path.join(out, "wheels"), os.path.join(out, "site")
+    shutil.rmtree(site, ignore_errors=True)
+    download(WHEELS + CUDA_WHEELS, wheels)
+    named = {w.split("-")[0].lower(): os.path.join(wheels, w) for w in os.listdir(wheels)}
+    for name, wheel in named.items():
+        if not name.startswith("nvidia"):
+            zipfile.ZipFile(wheel).extractall(site)
+    shutil.rmtree(os.path.join(site, "tensorflow", "include"))
+    os.remove(os.path.join(site, "tensorflow", "compiler", "mlir", "stablehlo", "stablehlo_extension.so"))
+    cuda = os.path.join(site, "cuda")
+    for folder in ("lib", "bin", os.path.join("nvvm", "libdevice")):
+        os.makedirs(os.path.join(cuda, folder), exist_ok=True)
+    for wheel, member, to in (
+            ("nvidia_cuda_runtime_cu12", "nvidia/cuda_runtime/lib/libcudart.so.12", "lib"),
+            ("nvidia_cublas_cu12", "nvidia/cublas/lib/libcublas.so.12", "lib"),
+            ("nvidia_cublas_cu12", "nvidia/cublas/lib/libcublasLt.so.12", "lib"),
+            ("nvidia_cudnn_cu12", "nvidia/cudnn/lib/libcudnn.so.9", "lib"),
+            ("nvidia_cuda_nvcc_cu12", "nvidia/cuda_nvcc/bin/ptxas", "bin"),
+            ("nvidia_cuda_nvcc_cu12", "nvidia/cuda_nvcc/nvvm/libdevice/libdevice.10.bc", "nvvm/libdevice")):
+        extract(named[wheel], member, os.path.join(cuda, to, os.path.basename(member)))
+    os.chmod(os.path.join(cuda, "bin", "ptxas"), 0o755)
+    source = os.path.join(out, "empty.c")
+    with open(source, "w") as f:
+        f.write("int tfpar_stand_in(void) { return 0; }\n")
+    for name in STAND_INS:
+        subprocess.check_call(["gcc", "-shared", "-fPIC", f"-Wl,-soname,{name}", "-o",
+                               os.path.join(cuda, "lib", name), source])
+    for path in ("tensorflow/libtensorflow_cc.so.2", "tensorflow/libtensorflow_framework.so.2",
+                 "cuda/lib/libcublas.so.12", "cuda/lib/libcublasLt.so.12"):
+        found = zero_other_architectures(os.path.join(site, path))
+        kept = sum(v for (_, arch), v in found.items() if arch == KEEP_ARCH)
+        print(f"{path}: kept {kept / 1e6:.0f} MB of sm_{KEEP_ARCH}, zeroed "
+              f"{(sum(found.values()) - kept) / 1e6:.0f} MB of other architectures")
+    bundle, parts = os.path.join(out, "bundle.tar.zst"), os.path.join(out, "parts")
+    subprocess.check_call(f"tar -C {site} -cf - . | zstd -T2 -12 --long=27 -q -f -o {bundle}", shell=True)
+    shutil.rmtree(parts, ignore_errors=True)
+    os.makedirs(parts)
+    subprocess.check_call(["split", "-b", f"{part_mib}M", "-d", "-a", "2", bundle, os.path.join(parts, "part")])
+    shutil.copy(shutil.which("zstd"), parts)
+    print(f"{bundle}: {os.path.getsize(bundle) / 1e6:.0f} MB in {len(os.listdir(parts)) - 1} parts under {parts}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="/tmp/gpu")
+    parser.add_argument("--part-mib", type=int, default=54, help="the tree itself travels too (~8 MiB)")
+    args = parser.parse_args()
+    build(args.out, args.part_mib)
+
+
+if __name__ == "__main__":
+    main()
