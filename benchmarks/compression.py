@@ -104,6 +104,14 @@ CONFIGS = {
     "powersgd(4)+start+16-8-4": ("powersgd", {"rank_schedule": "16@0,8@150,4@350", "warmup_steps": 60}, True),
     "powersgd(4)+start120+16-8-4": ("powersgd", {"rank_schedule": "16@0,8@150,4@350", "warmup_steps": 120}, True),
     "powersgd(4)+start120+16-8-4@250": ("powersgd", {"rank_schedule": "16@0,8@100,4@250", "warmup_steps": 120}, True),
+    # DGC with PowerSGD's lever: an uncompressed start (momentum SGD at density 1), then the ramp
+    "dgc(0.01)+start120": ("dgc", {"ratio": 0.01, "clip_norm": 1.0, "sparsity_warmup_steps": 60,
+                                   "warmup_steps": 120}, True),
+    "dgc(0.008)+start120": ("dgc", {"ratio": 0.008, "clip_norm": 1.0, "sparsity_warmup_steps": 60,
+                                    "warmup_steps": 120}, True),
+    "dgc(0.008)": ("dgc", {"ratio": 0.008, "clip_norm": 1.0, "sparsity_warmup_steps": 60}, True),
+    "dgc(0.008)-masking": ("dgc", {"ratio": 0.008, "clip_norm": 1.0, "sparsity_warmup_steps": 60,
+                                   "masking": False}, True),
     "onebit_adam": ("onebit_adam", {"freeze_step": 60, "clip_norm": 1.0}, False),
     # DGC's own optimizer without compression (DGC at density 1): what DGC's loss is measured against
     "none(sgd)": ("none", {}, False),
