@@ -57,23 +57,31 @@ def zero_other_architectures(path: str, keep: int = KEEP_ARCH) -> dict[tuple[int
     fields = line.split("]", 1)[1].split()
     start, size = int(fields[3], 16), int(fields[4], 16)
     found: dict[tuple[int, int], int] = {}
+    untouched = 0  # fat binaries with nothing for `keep`: left whole, their PTX may JIT
     with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
         position, end = start, start + size
         while position < end:
             magic, _, header, body = struct.unpack_from("<IHHQ", m, position)
-            if magic != FATBIN_MAGIC:
+            if magic != FATBIN_MAGIC:  # padding between fat binaries
                 position += 8
                 continue
-            entry, last = position + header, position + header + body
+            entries, entry, last = [], position + header, position + header + body
             while entry < last:
                 kind, _, entry_header, entry_size = struct.unpack_from("<HHIQ", m, entry)
                 arch = struct.unpack_from("<I", m, entry + 28)[0]
                 found[(kind, arch)] = found.get((kind, arch), 0) + entry_size
-                if arch != keep:
-                    m[entry + entry_header:entry + entry_header + entry_size] = bytes(entry_size)
+                entries.append((arch, entry + entry_header, entry_size))
                 entry += entry_header + entry_size
+            if any(arch == keep for arch, _, _ in entries):
+                for arch, payload, entry_size in entries:
+                    if arch != keep:
+                        m[payload:payload + entry_size] = bytes(entry_size)
+            else:
+                untouched += 1
             position = last
         m.flush()
+    if untouched:
+        print(f"{path}: {untouched} fat binaries without sm_{keep} code left whole")
     return found
 
 
@@ -126,12 +134,19 @@ def build(out: str, part_mib: int = 54) -> None:
         print(f"{path}: kept {kept / 1e6:.0f} MB of sm_{KEEP_ARCH}, zeroed "
               f"{(sum(found.values()) - kept) / 1e6:.0f} MB of other architectures")
     bundle, parts = os.path.join(out, "bundle.tar.zst"), os.path.join(out, "parts")
-    subprocess.check_call(f"tar -C {site} -cf - . | zstd -T2 -12 --long=27 -q -f -o {bundle}", shell=True)
+    subprocess.check_call(["bash", "-o", "pipefail", "-c",
+                           f"tar -C '{site}' -cf - . | zstd -T2 -12 --long=27 -q -f -o '{bundle}'"])
     shutil.rmtree(parts, ignore_errors=True)
     os.makedirs(parts)
     subprocess.check_call(["split", "-b", f"{part_mib}M", "-d", "-a", "2", bundle, os.path.join(parts, "part")])
-    shutil.copy(shutil.which("zstd"), parts)
-    print(f"{bundle}: {os.path.getsize(bundle) / 1e6:.0f} MB in {len(os.listdir(parts)) - 1} parts under {parts}")
+    zstd = shutil.which("zstd")
+    shutil.copy(zstd, parts)  # and the libraries it links, but the C library
+    for line in subprocess.check_output(["ldd", zstd], text=True).splitlines():
+        library = line.split("=>")[-1].split("(")[0].strip()
+        if os.path.isabs(library) and not os.path.basename(library).startswith(("libc.", "ld-linux")):
+            shutil.copy(library, parts)
+    count = sum(name.startswith("part") for name in os.listdir(parts))
+    print(f"{bundle}: {os.path.getsize(bundle) / 1e6:.0f} MB in {count} parts under {parts}")
 
 
 def main() -> None:

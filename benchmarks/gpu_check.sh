@@ -11,21 +11,24 @@
 #
 #   OUT=/tmp/gpu bash benchmarks/gpu_check.sh
 #   OUT=/tmp/gpu PARTS="steps placement" bash benchmarks/gpu_check.sh    # some of them
+# A device call runs at most 10 minutes: give steps and placement a call each.
 set -u
 PARTS=${PARTS:-check steps placement}
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 if [ -n "${SITE:-}" ]; then
   export PYTHONPATH=$SITE:$PWD LD_LIBRARY_PATH=$SITE/cuda/lib:${LD_LIBRARY_PATH:-} PATH=$SITE/cuda/bin:$PATH
-  export XLA_FLAGS=--xla_gpu_cuda_data_dir=$SITE/cuda
+  export XLA_FLAGS="--xla_gpu_cuda_data_dir=$SITE/cuda ${XLA_FLAGS:-}"
 else
   export PYTHONPATH=$PWD
 fi
 export CUDA_MODULE_LOADING=LAZY PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-1}
 PY=${PY:-python3}
-STEPS_S=${STEPS_S:-200} PLACEMENT_S=${PLACEMENT_S:-240}
+# the first H200 run: 210 s covered only the 1-replica rows (each configuration's first
+# call, mostly tracing, took 10-30 s), and the schedules took about 240 s
+STEPS_S=${STEPS_S:-420} PLACEMENT_S=${PLACEMENT_S:-300}
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.csv"
 $PY -c "import tensorflow as tf; print('tensorflow', tf.__version__, tf.config.list_physical_devices('GPU'))" || exit 1
 
 if [[ $PARTS == *check* ]]; then

@@ -8,14 +8,14 @@ gpt_wide (384 wide, 8 sequences of 64 tokens per replica) under `mirrored` over
 uncompressed one is the compressor's own work per step: encode, decode, error feedback.
 With two replicas the step adds the all-reduce (or the payload gathers) between them.
 
-On a machine with one GPU, two replicas are two logical GPUs on it (`--replicas=1,2`
-splits it before TensorFlow starts) joined by `hierarchical_copy`: NCCL refuses two ranks
+On a machine with one GPU, two replicas are two logical GPUs on it (the script splits it
+in 2 before TensorFlow starts) joined by `hierarchical_copy`: NCCL refuses two ranks
 on one device, so the collective here is device-to-device copies in the GPU's memory,
 not NCCL over NVLink. Without a GPU the same script runs on logical CPUs (a smoke run).
 Each configuration is timed after its warm-up phases (uncompressed start, frozen
 variance, sparsity ramp): `--skip` steps and one untimed call of `--steps` steps first
-(in the first GPU run, without it, a trace fell into dgc's and onebit_adam's first timed
-round), then the median of `--rounds` timings of `--steps` steps. dgc and onebit_adam
+(in the first GPU run, without it, a trace fell into the first timed round of dgc,
+onebit_adam and the PowerSGD rank schedule), then the median of `--rounds` timings of `--steps` steps. dgc and onebit_adam
 bring their own optimizers (momentum SGD; Adam's moments kept in the compressor), so
 their difference to `none` (AdamW) is not the compressor's cost alone. Speed lives here, never in tests.
 """
@@ -94,6 +94,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    replicas = [int(r) for r in args.replicas.split(",")]
+    if max(replicas) > LOGICAL or min(replicas) < 1 or args.rounds < 1 or args.steps < 1:
+        parser.error(f"--replicas takes 1 to {LOGICAL} (the logical devices made here); "
+                     "--rounds and --steps at least 1")
     os.makedirs(args.out, exist_ok=True)
 
     from tfpar import data as data_lib
@@ -109,15 +113,15 @@ def main() -> None:
     if gpus:
         details = tf.config.experimental.get_device_details(gpus[0])
         result["gpu"] = details
-    for replicas in (int(r) for r in args.replicas.split(",")):
-        strategy, all_reduce = strategy_for(replicas)
+    for count in replicas:
+        strategy, all_reduce = strategy_for(count)
         base = None
         for name in args.configs.split(","):
             try:
                 row = time_config(name, strategy, config, splits, args)
             except Exception as e:  # one configuration's failure is reported, the rest still run
                 row = {"error": f"{type(e).__name__}: {e}"[:500]}
-            row.update(config=name, replicas=replicas, all_reduce=all_reduce)
+            row.update(config=name, replicas=count, all_reduce=all_reduce)
             if name == "none" and "ms_per_step" in row:
                 base = row["ms_per_step"]
             if base is not None and "ms_per_step" in row:

@@ -40,13 +40,14 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
 
-tf.config.threading.set_intra_op_parallelism_threads(1)
-tf.config.threading.set_inter_op_parallelism_threads(4)
-
 from tfpar.strategy import runtime  # noqa: E402
 
-# a GPU is split in 2 (the GPU run: S = 2), the CPU in 4
+# a GPU is split in 2 (the GPU run: S = 2), the CPU in 4 that must share its cores:
+# one thread per op, and enough inter-op threads for the stages to overlap
 KIND = "GPU" if tf.config.list_physical_devices("GPU") else "CPU"
+if KIND == "CPU":
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(4)
 DEVICES = runtime.split_devices(2 if KIND == "GPU" else 4, gpu_memory_mb=16 << 10)
 
 import numpy as np  # noqa: E402
@@ -193,6 +194,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    too_many = [s for s in map(int, args.stages.split(",")) if s > len(DEVICES)]
+    if too_many:
+        parser.error(f"--stages={args.stages}: {too_many} more than the {len(DEVICES)} logical {KIND}s "
+                     "here (a GPU is split in 2: use --stages=2)")
     os.makedirs(args.out, exist_ok=True)
     model = gpt(args.dim, args.depth, args.seq)
     rng = np.random.RandomState(0)
@@ -237,7 +242,8 @@ def main() -> None:
     result = {"model": f"GPT depth {args.depth}, dim {args.dim}, 4 heads, vocab 256", "seq_len": args.seq, "global_batch": args.batch,
               "balanced_by": args.cost,
               "step": "forward + backward (no optimizer update)",
-              "threads": {"intra_op": 1, "inter_op": 4}, "logical_devices": len(DEVICES),
+              "threads": {"intra_op": 1, "inter_op": 4} if KIND == "CPU" else "TensorFlow's defaults",
+              "logical_devices": len(DEVICES),
               "device_kind": KIND, "physical_cores": os.cpu_count(), "gif": "pipeline_schedules.gif",
               "goals": goals(rows), "runs": rows}
     with open(os.path.join(args.out, "placement.json"), "w") as f:

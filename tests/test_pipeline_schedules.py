@@ -398,31 +398,53 @@ def test_zb_v_bad_combinations_are_refused_at_start():
 
 def test_a_stamp_on_a_gpu_waits_for_the_data_not_for_the_queue():
     """A GPU kernel is only queued when ops after it by control dependency run: a stamp on a
-    GPU stage waits on a host copy of its float inputs (one element each, summed), while
-    stamps (already on the host) and other devices' stages keep plain control inputs."""
+    GPU stage waits on a host-side CheckNumerics of one element read after its float inputs,
+    in the graph that runs (after Grappler, which turns ops feeding only control edges into
+    NoOps); stamps (already on the host) and other devices' stages keep plain control inputs.
+    Structural: this machine has no GPU, so the device string alone picks the path."""
     from tfpar.placement.pipeline import Pipeline
-
-    def ancestors(op):
-        seen, stack = set(), [op]
-        while stack:
-            op = stack.pop()
-            if op.name not in seen:
-                seen.add(op.name)
-                stack.extend([t.op for t in op.inputs] + list(op.control_inputs))
-        return seen
 
     graph = tf.Graph()
     with graph.as_default():
-        h, g = tf.ones([4, 3]) * 2.0, tf.zeros([0])  # an empty gradient too
+        h, g = tf.random.uniform([4, 3]), tf.random.uniform([0])  # an empty gradient too
         earlier = tf.timestamp()
         on_cpu = Pipeline._stamp([h, g, earlier], "/device:CPU:1")
         on_gpu = Pipeline._stamp([h, g, earlier], "/job:localhost/replica:0/task:0/device:GPU:0")
+        on_tpu_core = Pipeline._stamp([h], "logical:0")
     assert {op.name for op in on_cpu.op.control_inputs} == {h.op.name, g.op.name, earlier.op.name}
-    waits = {op.name: op for op in on_gpu.op.control_inputs}
-    assert earlier.op.name in waits and h.op.name not in waits and g.op.name not in waits
-    (probe,) = [op for name, op in waits.items() if name != earlier.op.name]
-    assert probe.type == "Identity" and "CPU" in probe.device.upper()
-    assert probe.inputs[0].op.type == "AddN"
-    assert {h.op.name, g.op.name} <= ancestors(probe) and earlier.op.name not in ancestors(probe)
-    with tf.compat.v1.Session(graph=graph) as session:  # an empty tensor sums to 0, runs
-        session.run(on_gpu.op.control_inputs)
+    assert [op.name for op in on_tpu_core.op.control_inputs] == [h.op.name]
+
+    options = tf.compat.v1.RunOptions(output_partition_graphs=True)
+    metadata = tf.compat.v1.RunMetadata()
+    with tf.compat.v1.Session(graph=graph) as session:  # Grappler runs, as in tf.function
+        session.run(on_gpu, options=options, run_metadata=metadata)
+    nodes = {n.name: n for partition in metadata.partition_graphs for n in partition.node}
+    controls = [i[1:] for i in nodes[on_gpu.op.name].input if i.startswith("^")]
+    probes = [nodes[c] for c in controls if nodes[c].op == "CheckNumerics"]
+    assert len(probes) == 1, [(c, nodes[c].op) for c in controls]
+
+    def data_ancestors(node):
+        seen, stack = set(), [node]
+        while stack:
+            node = stack.pop()
+            for name in node.input:
+                name = name.split(":")[0]
+                if not name.startswith("^") and name not in seen:
+                    seen.add(name)
+                    stack.append(nodes[name])
+        return seen
+
+    def ancestors(node):
+        seen, stack = set(), [node]
+        while stack:
+            node = stack.pop()
+            for name in node.input:
+                name = name.lstrip("^").split(":")[0]
+                if name not in seen:
+                    seen.add(name)
+                    stack.append(nodes[name])
+        return seen
+
+    assert h.op.name in data_ancestors(probes[0])  # the probe reads h's data
+    assert g.op.name in ancestors(probes[0])  # and waits for every float input
+    assert earlier.op.name not in ancestors(probes[0])

@@ -200,7 +200,7 @@ class Pipeline:
         order, which would serialise the stages; marked independent it only runs after
         `deps` and before the function returns. On a GPU `device` the stamp waits for the
         data of `deps` (see `_landed`), not for their kernels to be queued."""
-        if "GPU" in device.upper():
+        if _on_gpu(device):
             deps = _landed(deps)
         with tf.control_dependencies(deps):
             stamp = tf.timestamp()
@@ -342,20 +342,33 @@ class _Step:
             self.var_grads[g][i] = grad if total is None or grad is None else total + grad
 
 
+def _on_gpu(device: str) -> bool:
+    """Whether a stage's `device` is a GPU (not a CPU, a TPU logical core or unnamed)."""
+    if not device or tpu_cores.is_logical(device):
+        return False
+    return tf.DeviceSpec.from_string(device).device_type == "GPU"
+
+
 def _landed(deps: list) -> list:
     """`deps` with their float tensors replaced by one host-side probe of their data.
 
     A GPU kernel is queued, not finished, when the ops that depend on it by control run, so a
-    timestamp after it would stamp the queueing. One element of each tensor, summed on the
-    GPU and copied to the host, arrives only once every kernel that made them has finished.
+    timestamp after it would stamp the queueing. The probe reads one element of the first
+    float tensor, queued on the device after all of them (one stream per device runs its
+    kernels in order), and copies it to the host. Its host end is a CheckNumerics (of a value
+    made finite first): Grappler's dependency optimizer turns an op whose outputs feed only
+    control edges into a NoOp, back up the chain, unless it is on its do-not-rewrite list,
+    and then the stamp would wait on control edges from the GPU again.
     """
     floats = [t for t in deps if isinstance(t, tf.Tensor) and t.dtype.is_floating
               and t.op.type != "Timestamp"]  # stamps are on the host already
     if not floats:
         return deps
-    probe = tf.add_n([tf.reduce_sum(tf.cast(tf.reshape(t, [-1])[:1], tf.float32)) for t in floats])
+    with tf.control_dependencies(floats[1:]):
+        first = tf.reduce_sum(tf.cast(tf.reshape(floats[0], [-1])[:1], tf.float32))
+    first = tf.where(tf.math.is_finite(first), first, tf.zeros_like(first))
     with tf.device("/device:CPU:0"):
-        probe = tf.identity(probe)
+        probe = tf.debugging.check_numerics(first, "pipeline timeline probe")
     return [t for t in deps if not any(t is f for f in floats)] + [probe]
 
 
