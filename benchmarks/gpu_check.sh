@@ -1,6 +1,7 @@
 #!/bin/bash
 # The GPU checks of issues 13 and 18 in one run, on a machine with one NVIDIA GPU:
-#   1. tfpar-check (versions, devices, auto's choice, one GPT step in fit and in the loop);
+#   1. tfpar-check (versions, devices, auto's choice, one GPT step in fit and in the loop),
+#      with auto (one GPU) and with mirrored on 2 logical GPUs;
 #   2. benchmarks/gpu_steps.py: each compressor's cost per step under mirrored, 1 and 2
 #      replicas (2 logical GPUs joined by hierarchical_copy);
 #   3. benchmarks/placement.py: every schedule at S = 2 (2 logical GPUs), M = 8, on
@@ -35,6 +36,10 @@ if [[ $PARTS == *check* ]]; then
   echo "== tfpar-check"
   timeout 150 $PY -m tfpar.check --json > "$OUT/check.json" 2> "$OUT/check.err"
   echo "tfpar-check rc $?"; tail -c 2500 "$OUT/check.json"; tail -n 8 "$OUT/check.err"
+  echo "== tfpar-check, mirrored on 2 logical GPUs (Keras fit against tfpar's loop, 2 replicas)"
+  timeout 150 $PY -m tfpar.check --strategy=mirrored --virtual-devices=2 --json \
+    > "$OUT/check_mirrored.json" 2> "$OUT/check_mirrored.err"
+  echo "tfpar-check (mirrored) rc $?"; tail -c 1500 "$OUT/check_mirrored.json"
 fi
 
 if [[ $PARTS == *steps* ]]; then
