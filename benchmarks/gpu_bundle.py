@@ -18,7 +18,7 @@ This script builds what one H200 run needs, as about 615 MB of zstd in 54 MiB pa
   missing, but a transformer's step never calls them (an FFT or a linear solve would fail);
 - ptxas and libdevice for XLA; a zstd binary for the far side.
 
-On the device machine (what the closing note of issue 18, stop 26, ran):
+On the device machine (what the first H200 run, 2026-12-04, did; docs/matrix.md):
     (11 calls, one part each, carry [".gpu"]): cp .gpu/* /tmp/acc/
     cat /tmp/acc/part* | LD_LIBRARY_PATH=/tmp/acc /tmp/acc/zstd -d --long=27 | tar -x -C /tmp/site
     SITE=/tmp/site bash benchmarks/gpu_check.sh

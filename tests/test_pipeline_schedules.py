@@ -423,28 +423,19 @@ def test_a_stamp_on_a_gpu_waits_for_the_data_not_for_the_queue():
     probes = [nodes[c] for c in controls if nodes[c].op == "CheckNumerics"]
     assert len(probes) == 1, [(c, nodes[c].op) for c in controls]
 
-    def data_ancestors(node):
+    def ancestors(node, data_only=False):
         seen, stack = set(), [node]
         while stack:
             node = stack.pop()
             for name in node.input:
-                name = name.split(":")[0]
-                if not name.startswith("^") and name not in seen:
-                    seen.add(name)
-                    stack.append(nodes[name])
-        return seen
-
-    def ancestors(node):
-        seen, stack = set(), [node]
-        while stack:
-            node = stack.pop()
-            for name in node.input:
+                if data_only and name.startswith("^"):
+                    continue
                 name = name.lstrip("^").split(":")[0]
                 if name not in seen:
                     seen.add(name)
                     stack.append(nodes[name])
         return seen
 
-    assert h.op.name in data_ancestors(probes[0])  # the probe reads h's data
+    assert h.op.name in ancestors(probes[0], data_only=True)  # the probe reads h's data
     assert g.op.name in ancestors(probes[0])  # and waits for every float input
     assert earlier.op.name not in ancestors(probes[0])

@@ -360,8 +360,10 @@ def _landed(deps: list) -> list:
     control edges into a NoOp, back up the chain, unless it is on its do-not-rewrite list,
     and then the stamp would wait on control edges from the GPU again.
     """
-    floats = [t for t in deps if isinstance(t, tf.Tensor) and t.dtype.is_floating
-              and t.op.type != "Timestamp"]  # stamps are on the host already
+    def on_device(t) -> bool:  # stamps are on the host already
+        return isinstance(t, tf.Tensor) and t.dtype.is_floating and t.op.type != "Timestamp"
+
+    floats = [t for t in deps if on_device(t)]
     if not floats:
         return deps
     with tf.control_dependencies(floats[1:]):
@@ -369,7 +371,7 @@ def _landed(deps: list) -> list:
     first = tf.where(tf.math.is_finite(first), first, tf.zeros_like(first))
     with tf.device("/device:CPU:0"):
         probe = tf.debugging.check_numerics(first, "pipeline timeline probe")
-    return [t for t in deps if not any(t is f for f in floats)] + [probe]
+    return [t for t in deps if not on_device(t)] + [probe]
 
 
 def _weight_only_frontier(graph, first, weight_grads, input_grad, regions, unit) -> list:
