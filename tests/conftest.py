@@ -88,7 +88,7 @@ def without_grappler():
 
 # reverse_tiny on 2 replicas through the binary, CONVERGENCE_STEPS each: one process trains
 # them all. The warm-ups end at step 60 (DGC's density, 1-bit Adam's freeze); PowerSGD starts
-# compressing at 20 and drops from rank 8 to 4 at 120.
+# compressing at 20 (after a float32 or an fp16 start) and drops from rank 8 to 4 at 120.
 CONVERGENCE_STEPS = 200
 SGD = "optimizer.name=sgd;optimizer.momentum=0;optimizer.clip_norm=0"
 CONVERGENCE_RUNS = {
@@ -97,6 +97,8 @@ CONVERGENCE_RUNS = {
            f"compression_args.clip_norm=1.0;optimizer.learning_rate=0.3;{SGD}",
     "onebit_adam": f"onebit_adam:compression_args.freeze_step=60;compression_args.clip_norm=1.0;{SGD}",
     "powersgd_schedule": "powersgd:compression_args.rank_schedule=8@0,4@100;compression_args.warmup_steps=20",
+    "powersgd_fp16_start": "powersgd:compression_args.rank_schedule=8@0,4@100;compression_args.warmup_steps=20;"
+                           "compression_args.warmup_compression=fp16",
 }
 
 

@@ -171,6 +171,53 @@ def test_powersgd_uncompressed_start_equals_the_plain_loop(weights):
     assert gap(got, reference) < 1e-6
 
 
+def test_a_start_in_fp16_is_the_fp16_run_at_half_the_bytes_then_powersgd_takes_over(weights):
+    strategy = mirrored(2)
+    every_tensor_fp16 = C.Compression(C.FP16(), C.Policy(min_size=0, skip=()))  # biases, norms too
+    fp16, _, _ = train(strategy, weights, every_tensor_fp16, steps=4)
+    started = C.Compression(C.PowerSGD(2), C.Policy(min_size=0, warmup_steps=4, warmup_compressor="fp16"))
+    got, trainer, dataset = train(strategy, weights, started, steps=4)
+    assert gap(got, fp16) == 0.0
+    variables = trainer.model.trainable_variables
+    counted = C.accounting.bytes_per_replica(trainer.traced_step(dataset, "warmup"), in_loops_only=True)
+    assert counted == sum(started.payload_bytes(variables, "warmup").values()) == 2 * trainer.model.count_params()
+    assert started.phase(4) == "compressed" and started.plan[0] is started.compressor
+    longer, _, _ = train(strategy, weights, every_tensor_fp16, steps=6)
+    got, _, _ = train(strategy, weights, started, steps=6)
+    assert gap(got, longer) > 1e-4  # PowerSGD from step 4
+
+
+def test_a_start_compressor_that_cannot_start_is_refused_by_name():
+    with pytest.raises(C.CompressionError, match="'topk' is not one of none, fp16, bf16"):
+        C.Policy(warmup_steps=5, warmup_compressor="topk")
+    with pytest.raises(C.CompressionError, match="needs warmup_steps > 0"):
+        C.Policy(warmup_compressor="fp16")
+    with pytest.raises(C.CompressionError, match="dgc's start is momentum SGD"):
+        C.Compression(C.DGC(), C.Policy(warmup_steps=3, warmup_compressor="fp16")).build(
+            [tf.Variable(tf.zeros([40, 40]))])
+    psgd = C.from_config("powersgd", warmup_steps=5, warmup_compression="bf16")
+    assert repr(psgd.policy.start()) == "bf16"
+    from tfpar.config import ConfigError, base_config, validate
+
+    config = base_config()
+    config.mode, config.compression = "loop", "powersgd"
+    config.compression_args.update(dict(warmup_steps=10, warmup_compression="int8"))
+    with pytest.raises(ConfigError, match="compression_args.warmup_compression: 'int8' is not one of"):
+        validate(config)
+    config.compression_args.warmup_compression = "fp16"
+    validate(config)
+    config.compression_args.warmup_steps = 0
+    with pytest.raises(ConfigError, match="give it --config.compression_args.warmup_steps > 0"):
+        validate(config)
+    config.compression, config.compression_args.warmup_steps = "auto", 10
+    with pytest.raises(ConfigError, match="not auto"):
+        validate(config)
+    config.compression, config.compression_args.warmup_steps = "onebit_adam", 0  # its freeze_step
+    config.optimizer.update(dict(name="sgd", momentum=0.0, clip_norm=0.0))
+    validate(config)
+    assert C.from_config("onebit_adam", freeze_step=7, warmup_compression="fp16").warmup_compressor.name == "fp16"
+
+
 def test_powersgd_full_rank_stage_is_exact_and_leaves_nothing_behind():
     strategy = mirrored(2)
     rng = np.random.RandomState(4)
@@ -239,14 +286,14 @@ def test_new_compressors_run_on_two_worker_processes(tmp_path):
 
 @pytest.mark.slow
 @uses_convergence_runs
-@pytest.mark.parametrize("name", ["dgc", "onebit_adam", "powersgd_schedule"])
+@pytest.mark.parametrize("name", ["dgc", "onebit_adam", "powersgd_schedule", "powersgd_fp16_start"])
 def test_new_compressors_learn_the_reverse_task_through_the_binary(reverse_task_runs, name):
     """reverse_tiny on 2 replicas, 200 steps, through tfpar.train in loop mode: dgc(0.01)
-    with a density warm-up, 1-bit Adam after 60 Adam steps and PowerSGD with an
-    uncompressed start and a rank schedule each reach the exact-sequence accuracy that the
+    with a density warm-up, 1-bit Adam after 60 Adam steps and PowerSGD with a float32 or
+    an fp16 start and a rank schedule each reach the exact-sequence accuracy that the
     uncompressed run reaches (>= 0.95, see test_compression). Runs: conftest.CONVERGENCE_RUNS."""
     result = reverse_task_runs[name]
-    assert result["name"].split(":")[0] == name.split("_schedule")[0] == result["compression"]
+    assert result["name"].split(":")[0] == result["compression"] and name.startswith(result["compression"])
     assert result["exact"] >= 0.95, result
 
 

@@ -43,6 +43,23 @@ def test_warmup_is_keras_adam_with_global_clipping(weights):
     assert gap(got, reference) < 2e-6
 
 
+def test_a_warmup_in_fp16_is_adam_on_fp16_sums_at_half_the_bytes(weights):
+    strategy = mirrored(2)
+    every_tensor_fp16 = C.Compression(C.FP16(), C.Policy(min_size=0, skip=()))
+    reference, _, _ = train(strategy, weights, lambda: keras.optimizers.Adam(0.01), every_tensor_fp16, steps=4)
+    onebit = C.OneBitAdam(freeze_step=4, warmup_compressor="fp16")
+    got, trainer, dataset = train(strategy, weights, lambda: keras.optimizers.SGD(0.01), onebit, steps=4)
+    assert gap(got, reference) < 1e-5  # 1.6e-6 here
+    float32, _, _ = train(strategy, weights, lambda: keras.optimizers.Adam(0.01), steps=4)
+    assert gap(got, float32) > 1e-4  # 7.7e-4 here: it followed the 16-bit sums
+    warm = accounting.bytes_per_replica(trainer.traced_step(dataset, "warmup"), in_loops_only=True)
+    variables = trainer.model.trainable_variables
+    assert warm == sum(onebit.payload_bytes(variables, "warmup").values()) == 2 * trainer.model.count_params()
+    assert repr(onebit) == "onebit_adam(freeze=4, fp16 start)"
+    with pytest.raises(C.CompressionError, match="warmup_compressor 'sign' is not one of none, fp16, bf16"):
+        C.OneBitAdam(warmup_compressor="sign")
+
+
 @pytest.mark.slow
 def test_compressed_phase_moves_from_adam_and_keeps_both_errors(weights):
     strategy = mirrored(2)

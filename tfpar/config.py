@@ -49,6 +49,7 @@ def base_config() -> ml_collections.ConfigDict:
         rank=4,                 # powersgd: rank of the approximation
         min_size=1024,          # tensors with fewer elements go uncompressed
         warmup_steps=0,         # first steps uncompressed (loop mode only)
+        warmup_compression="none",  # those steps (onebit_adam: its Adam warm-up) in float32 (none) or fp16 / bf16
         overrides="",           # "regex=name,regex=name" over variable paths, first match wins
         skip="",                # regexes (comma-separated) replacing the default skip list
         reset_on_restore=False,  # True: error-feedback state is not checkpointed
@@ -120,6 +121,7 @@ def _validate_run(config) -> None:
 def _validate_compression(config) -> None:
     """compression, compression_args (each compressor checks its own, see check_config)."""
     from tfpar.compression import NAMES, check_config
+    from tfpar.compression.policy import WARMUP_COMPRESSORS
 
     _require(config.compression in NAMES, "compression",
              f"{config.compression!r} is not one of {', '.join(NAMES)}.")
@@ -132,6 +134,16 @@ def _validate_compression(config) -> None:
              "min_size and warmup_steps must be >= 0.")
     _require(not (ca.warmup_steps and config.mode == "fit"), "compression_args.warmup_steps",
              "warm-up steps need --config.mode=loop (Keras fit traces one train step).")
+    _require(ca.warmup_compression in WARMUP_COMPRESSORS, "compression_args.warmup_compression",
+             f"{ca.warmup_compression!r} is not one of {', '.join(WARMUP_COMPRESSORS)} (the start "
+             "sends every tensor dense).")
+    _require(ca.warmup_compression == "none" or ca.warmup_steps or config.compression == "onebit_adam",
+             "compression_args.warmup_compression",
+             "compresses the uncompressed start: give it --config.compression_args.warmup_steps > 0.")
+    own_start = config.compression in ("dgc", "auto") or (config.compression == "none" and not ca.overrides)
+    _require(ca.warmup_compression == "none" or not own_start, "compression_args.warmup_compression",
+             f"applies to fp16/bf16/int8/topk/powersgd/sign/onebit_adam (or overrides), not "
+             f"{config.compression} (dgc and auto start their own way; none has no start).")
 
 
 def _validate_model(config) -> None:

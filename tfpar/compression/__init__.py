@@ -41,7 +41,7 @@ NAMES = (*COMPRESSORS, "onebit_adam", "auto")  # what --config.compression accep
 
 
 def from_config(name: str, ratio: float = 0.01, rank: int = 4, min_size: int = 1024,
-                warmup_steps: int = 0, overrides: str = "", skip: str = "",
+                warmup_steps: int = 0, warmup_compression: str = "none", overrides: str = "", skip: str = "",
                 reset_on_restore: bool = False, embeddings: bool = False,
                 momentum: float = 0.9, clip_norm: float = 0.0, masking: bool = True,
                 sparsity_warmup_steps: int = 0, stages: int = 4, rank_schedule: str = "",
@@ -52,7 +52,8 @@ def from_config(name: str, ratio: float = 0.01, rank: int = 4, min_size: int = 1
     comma-separated list of regexes that replaces the default skip list; `embeddings`: also
     compress the embeddings with NAME. dgc: ratio, momentum, clip_norm, masking,
     sparsity_warmup_steps, stages; powersgd: rank or rank_schedule ("8@0,4@300");
-    warmup_steps: the uncompressed start; onebit_adam: freeze_step, clip_norm; auto: the run's
+    warmup_steps: the uncompressed start (sent in float32, or in `warmup_compression` fp16 or
+    bf16: also onebit_adam's Adam warm-up); onebit_adam: freeze_step, clip_norm; auto: the run's
     steps and one replica's tokens per step (the binary passes both from its config)."""
     def named(key: str) -> Compressor:
         args = {"topk": {"ratio": ratio},
@@ -77,12 +78,13 @@ def from_config(name: str, ratio: float = 0.01, rank: int = 4, min_size: int = 1
         if parsed:
             raise CompressionError("onebit_adam compresses every large tensor's momentum; "
                                    "compression_args.overrides do not apply (use skip/min_size).")
-        return OneBitAdam(freeze_step=freeze_step, clip_norm=clip_norm,
+        return OneBitAdam(freeze_step=freeze_step, clip_norm=clip_norm, warmup_compressor=warmup_compression,
                           policy=Policy(min_size=min_size, **policy_args))
     compressor = named(name)
     if compressor.name == "none" and not parsed:
         return None
-    policy = Policy(min_size=min_size, warmup_steps=warmup_steps, overrides=parsed, **policy_args)
+    policy = Policy(min_size=min_size, warmup_steps=warmup_steps, warmup_compressor=warmup_compression,
+                    overrides=parsed, **policy_args)
     return Compression(compressor, policy, reset_on_restore=reset_on_restore)
 
 

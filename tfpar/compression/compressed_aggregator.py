@@ -64,6 +64,8 @@ class Compression(tf.Module, GradientAggregator):
     def build(self, variables: Sequence[tf.Variable]) -> None:
         """Chooses a compressor per variable and creates the per-replica state."""
         _check_dtype_support(self.compressor, tf.distribute.get_strategy())
+        if self.policy.start() is not None:
+            _check_dtype_support(self.policy.start(), tf.distribute.get_strategy())
         self.paths = [getattr(v, "path", v.name) for v in variables]
         for path, v in zip(self.paths, variables):
             wanted = self.policy.wanted(path, tuple(v.shape), self.compressor)
@@ -91,6 +93,10 @@ class Compression(tf.Module, GradientAggregator):
         if DGC in chosen and not isinstance(self.compressor, DGC):
             raise CompressionError("dgc must be the main compressor (Compression(DGC(...))), not an "
                                    "override: its momentum covers every tensor.")
+        if isinstance(self.compressor, DGC) and self.policy.start() is not None:
+            raise CompressionError(
+                f"dgc's start is momentum SGD at density 1 in float32; warmup_compressor="
+                f"{self.policy.start()!r} applies to the other compressors. Leave it 'none' for dgc.")
         staged = {repr(c) for c in self.plan if isinstance(c, (PowerSGD, DGC))}
         if len(staged) > 1:
             raise CompressionError(f"One schedule per run: the policy picked {sorted(staged)}; give "
@@ -130,6 +136,11 @@ class Compression(tf.Module, GradientAggregator):
     def set_phase(self, phase) -> None:
         self._phase = phase
 
+    def _plan_for(self, phase) -> list:
+        """The compressor per variable in `phase`: the start sends every tensor through the
+        policy's warm-up compressor (None: float32), later phases follow the plan."""
+        return [self.policy.start()] * len(self.plan) if phase == "warmup" else self.plan
+
     def _param(self, phase=None):
         """The stage parameter (DGC density, PowerSGD rank) of `phase` (default: traced one)."""
         phase = self._phase if phase is None else phase
@@ -143,7 +154,7 @@ class Compression(tf.Module, GradientAggregator):
         context = tf.distribute.get_replica_context()
         replicas = context.num_replicas_in_sync
         communicate = replicas > 1 or multi_worker(context)
-        plan = [None] * len(gradients) if self._phase == "warmup" else self.plan
+        plan = self._plan_for(self._phase)
         result: list = [None] * len(gradients)
 
         def all_reduce(tensors: list) -> list:
@@ -220,7 +231,7 @@ class Compression(tf.Module, GradientAggregator):
     def payload_bytes(self, variables: Sequence[tf.Variable], phase="compressed") -> dict:
         """Analytic bytes per replica per step, per variable path, plus '(size exchange)'.
         `phase`: one of `phase(step)`'s values ('compressed': the last stage)."""
-        plan = [None] * len(variables) if phase == "warmup" else self.plan
+        plan = self._plan_for(phase)
         param = self._param(phase)
         report, gathers = {}, False
         for path, variable, chosen in zip(self.paths, variables, plan):

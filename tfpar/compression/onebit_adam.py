@@ -5,7 +5,8 @@ An aggregator that owns Adam's moments and returns Adam's step direction, so the
 optimizer must be plain SGD (momentum=0, no clipping; its learning rate, schedule and
 weight decay are Adam's, since AdamW's decoupled decay and SGD's are the same update):
 
-- warm-up (`freeze_step` steps): gradients summed by one all-reduce (clipped by their
+- warm-up (`freeze_step` steps): gradients summed by one all-reduce (in float32, or every
+  tensor in 16 bits with `warmup_compressor="fp16"`/"bf16": half the bytes; clipped by their
   global norm if `clip_norm`), then exactly Keras Adam: the direction is
   sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps), so SGD(lr) moves the weights as Adam(lr);
 - compressed: v (and its bias factor) frozen; each replica updates its own momentum from its
@@ -31,7 +32,7 @@ from tfpar.compression import two_phase
 from tfpar.compression.compressed_aggregator import Compression, _all_gather_words, _dense, _per_replica
 from tfpar.compression.compressors import CompressionError, Sign
 from tfpar.compression.dgc import _sgd_class
-from tfpar.compression.policy import Policy
+from tfpar.compression.policy import Policy, WARMUP_COMPRESSORS
 from tfpar.loop.aggregation import multi_worker
 
 
@@ -39,7 +40,8 @@ class OneBitAdam(Compression):
     """Adam with 1-bit compressed momentum after `freeze_step` (see module docstring)."""
 
     def __init__(self, freeze_step: int = 100, beta_1: float = 0.9, beta_2: float = 0.999,
-                 epsilon: float = 1e-7, clip_norm: float = 0.0, policy: Policy | None = None):
+                 epsilon: float = 1e-7, clip_norm: float = 0.0, policy: Policy | None = None,
+                 warmup_compressor: str = "none"):
         tf.Module.__init__(self, name="onebit_adam")  # a Compression by kind (Trainer's
         # compression= takes it), with its own state and step
         if freeze_step < 1:
@@ -49,13 +51,21 @@ class OneBitAdam(Compression):
             raise CompressionError("onebit_adam needs betas in [0, 1), epsilon > 0, clip_norm >= 0.")
         self.freeze_step, self.beta_1, self.beta_2 = freeze_step, beta_1, beta_2
         self.epsilon, self.clip_norm = epsilon, clip_norm
+        if str(warmup_compressor).lower() not in WARMUP_COMPRESSORS:
+            raise CompressionError(f"onebit_adam warmup_compressor {warmup_compressor!r} is not one of "
+                                   f"{', '.join(WARMUP_COMPRESSORS)} (Adam's warm-up sends every gradient dense).")
+        from tfpar.compression import get  # names -> compressors
+
+        start = get(str(warmup_compressor).lower())
+        self.warmup_compressor = None if start.name == "none" else start
         self.policy = policy or Policy()
         self.compressed: list[bool] = []
         self.compressor, self.reset_on_restore, self.state = Sign(), False, {}
         self._phase = None
 
     def __repr__(self):
-        return f"onebit_adam(freeze={self.freeze_step})"
+        start = f", {self.warmup_compressor!r} start" if self.warmup_compressor else ""
+        return f"onebit_adam(freeze={self.freeze_step}{start})"
 
     # -- contract --------------------------------------------------------------------------
 
@@ -125,8 +135,9 @@ class OneBitAdam(Compression):
 
     def payload_bytes(self, variables: Sequence[tf.Variable], phase: str = "compressed") -> dict:
         """Analytic bytes one replica hands to collectives per step, by collective."""
-        dense = sum(4 * int(v.shape.num_elements()) for v, c in zip(variables, self.compressed)
-                    if phase == "warmup" or not c)
+        start = self.warmup_compressor if phase == "warmup" else None
+        dense = sum(start.payload_bytes(int(v.shape.num_elements())) if start else 4 * int(v.shape.num_elements())
+                    for v, c in zip(variables, self.compressed) if phase == "warmup" or not c)
         report = {"all_reduce": dense}
         if phase != "warmup" and self.padded:
             report.update(two_phase.payload_bytes(self.padded, self.replicas))
@@ -144,8 +155,11 @@ class OneBitAdam(Compression):
         warm = self._phase == "warmup"
         dense = [i for i, c in enumerate(self.compressed) if warm or not c]
         summed = [grads[i] for i in dense]
+        start = self.warmup_compressor if warm else None
         if summed and communicate:
-            summed = context.all_reduce(tf.distribute.ReduceOp.SUM, summed)
+            sent = [start.encode(g, replicas) for g in summed] if start else summed
+            summed = context.all_reduce(tf.distribute.ReduceOp.SUM, sent)
+            summed = [start.decode(g, replicas) for g in summed] if start else summed
         if self.clip_norm and warm:
             summed, _ = tf.clip_by_global_norm(summed, self.clip_norm)
         result: list = [None] * len(grads)
