@@ -3,6 +3,7 @@
     python benchmarks/compression.py                                   # loopback + shaped link
     python benchmarks/compression.py --links=loopback --steps=100      # no root needed
     python benchmarks/compression.py --links=100mbit                   # root + iproute2 (tc)
+    python benchmarks/compression.py --suite=issue13                   # issue 13's benchmark, 33 min (root)
     # issue 13's runs, one sitting each (root, quiet machine): docs/compression.md
     python benchmarks/compression.py --model=gpt_wide --batch=8 --links=100mbit \
         --configs="none,dgc(0.001),powersgd(4)+start,onebit_adam" --steps=600 --name=wide_100m
@@ -104,6 +105,10 @@ CONFIGS = {
     "powersgd(4)+start+16-8-4": ("powersgd", {"rank_schedule": "16@0,8@150,4@350", "warmup_steps": 60}, True),
     "powersgd(4)+start120+16-8-4": ("powersgd", {"rank_schedule": "16@0,8@150,4@350", "warmup_steps": 120}, True),
     "powersgd(4)+start120+16-8-4@250": ("powersgd", {"rank_schedule": "16@0,8@100,4@250", "warmup_steps": 120}, True),
+    # the same with its start sent in fp16 (every tensor): half the start's bytes, which on a
+    # slow link are most of PowerSGD's time to quality
+    "powersgd(4)+fp16start120+16-8-4": ("powersgd", {"rank_schedule": "16@0,8@150,4@350", "warmup_steps": 120,
+                                                     "warmup_compression": "fp16"}, True),
     # DGC with PowerSGD's lever: an uncompressed start (momentum SGD at density 1), then the ramp
     "dgc(0.01)+start120": ("dgc", {"ratio": 0.01, "clip_norm": 1.0, "sparsity_warmup_steps": 60,
                                    "warmup_steps": 120}, True),
@@ -113,6 +118,8 @@ CONFIGS = {
     "dgc(0.008)-masking": ("dgc", {"ratio": 0.008, "clip_norm": 1.0, "sparsity_warmup_steps": 60,
                                    "masking": False}, True),
     "onebit_adam": ("onebit_adam", {"freeze_step": 60, "clip_norm": 1.0}, False),
+    "onebit_adam+fp16start": ("onebit_adam", {"freeze_step": 60, "clip_norm": 1.0,
+                                              "warmup_compression": "fp16"}, False),
     # DGC's own optimizer without compression (DGC at density 1): what DGC's loss is measured against
     "none(sgd)": ("none", {}, False),
     # measures the link and the compute at build, then is none, fp16 or powersgd(4)+start
@@ -123,10 +130,32 @@ OPTIMIZER_FOR = {"dgc": dict(name="sgd", momentum=0.0, clip_norm=0.0, learning_r
                  "onebit_adam": dict(name="sgd", momentum=0.0, clip_norm=0.0),
                  "none(sgd)": dict(name="sgd", momentum=0.9, clip_norm=1.0, learning_rate=0.1)}
 GOAL_CONFIGS = ("topk(0.01)", "topk(0.01)+emb", "powersgd(4)", "powersgd(4)+emb",
-                "dgc(0.01)", "dgc(0.001)", "powersgd(4)+start", "onebit_adam")
+                "dgc(0.01)", "dgc(0.001)", "powersgd(4)+start", "onebit_adam",
+                "powersgd(4)+start120+16-8-4", "powersgd(4)+fp16start120+16-8-4")
 GOAL_RATIO, GOAL_SPEEDUP, GOAL_GAP = 40.0, 3.0, 0.02
 GOAL_AUTO_SLOWER = 0.05  # auto at most 5% slower to quality than none (issue 13, at 1 Gbit/s)
 EMBED = r"embed"
+
+# --suite: issue 13's benchmark in one command, as sittings (link, workers, what runs);
+# everything else comes from the command line's defaults below. gpt_wide, 8 sequences.
+BEST_ON_A_SLOW_LINK = "powersgd(4)+fp16start120+16-8-4"
+SUITES = {
+    "issue13": {
+        "model": "gpt_wide", "batch": 8,
+        "sittings": [
+            # time to quality where compression matters: none for 600 steps, the best
+            # compressor given 900 (its cheaper steps buy more of them)
+            dict(link="100mbit", workers=2, configs=f"none,{BEST_ON_A_SLOW_LINK}", steps=600,
+                 compressed_steps=900, eval_every=50),
+            # a fast link: auto must not cost more than 5%
+            dict(link="1gbit", workers=2, configs="none,auto", steps=600, eval_every=100),
+            # bytes per worker at 2 and 4 workers, counted from the traced step of each
+            # compressor's last phase in a 600-step run (10 steps trained: bytes only)
+            *(dict(link="loopback", workers=w, configs=f"none,onebit_adam,{BEST_ON_A_SLOW_LINK},dgc(0.001)",
+                   steps=10, eval_every=10, bytes_at_step=600) for w in (2, 4)),
+        ],
+    },
+}
 
 HUB = "tfphub"                     # the namespace that holds the bridge (no address)
 BRIDGE = "tfpbr0"
@@ -224,7 +253,7 @@ def _wire(trainer, compression, train_data, replicas: int, steps: int) -> dict:
     """Bytes of the last phase's step: handed to collectives and transmitted per worker."""
     from tfpar.compression import accounting
 
-    phase = compression.phase(steps - 1) if compression is not None else None
+    phase = compression.phase(steps - 1) if compression is not None else None  # the last one
     step = trainer.traced_step(train_data, phase)
     variables = trainer.model.trainable_variables
     dense = accounting.fp32_bytes(variables)
@@ -270,11 +299,13 @@ def _train_one(name, args, config, splits, strategy, eval_data, eval_steps, say)
     with strategy.scope():
         model = recipes.build_model(config, splits.info)
         optimizer = recipes.build_optimizer(optimizer_config(config, name), steps)
-    compression = compression_for(name, steps, args.batch // strategy.num_replicas_in_sync * config.data.seq_len)
+    compression = compression_for(name, args.bytes_at_step or steps,
+                                  args.batch // strategy.num_replicas_in_sync * config.data.seq_len)
     trainer = Trainer(model, optimizer, recipes.SmoothedSparseCrossentropy(0.0), strategy=strategy,
                       steps_per_loop=args.steps_per_loop, compression=compression)
     train_data = data_lib.distribute_train(strategy, splits.train, args.batch)
-    wire = _wire(trainer, compression, train_data, strategy.num_replicas_in_sync, steps)
+    wire = _wire(trainer, compression, train_data, strategy.num_replicas_in_sync,
+                 args.bytes_at_step or steps)
     if getattr(compression, "decision", None):
         wire["auto_decision"] = compression.decision
         say(f"{name}: picked {compression.decision}")
@@ -430,7 +461,8 @@ def _worker_args(args, result_file: str) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), "--worker", f"--result-file={result_file}",
             f"--model={args.model}", f"--batch={args.batch}", f"--steps={args.steps}", f"--compressed-steps={args.compressed_steps}", f"--steps-per-loop={args.steps_per_loop}",
             f"--eval-every={args.eval_every}", f"--eval-examples={args.eval_examples}",
-            f"--warmup-calls={args.warmup_calls}", f"--configs={','.join(args.configs)}"]
+            f"--warmup-calls={args.warmup_calls}", f"--configs={','.join(args.configs)}",
+            f"--bytes-at-step={args.bytes_at_step}"]
 
 
 def _pump(stream, prefix: str, log) -> None:
@@ -546,11 +578,14 @@ def table(results: dict) -> list[dict]:
     return rows
 
 
-def goals(rows: list[dict], equal_steps: bool = True) -> dict:
-    """Issue 13's goals per run and configuration (the loss gap only where every
-    configuration ran the same steps)."""
+def goals(rows: list[dict], equal_steps=True, bytes_only=()) -> dict:
+    """Issue 13's goals per run and configuration: the loss gap only in runs where every
+    configuration ran the same steps (`equal_steps`: True, False or the set of such runs);
+    runs in `bytes_only` trained a few steps and count only for bytes."""
     out = {}
     for row in rows:
+        if row["run"] in bytes_only:
+            continue
         if row["config"] == "auto":
             ttq = row.get("time_to_quality_vs_none")
             out[f"{row['run']}/auto"] = {f"time_to_quality<={1 + GOAL_AUTO_SLOWER:g}x_none":
@@ -562,7 +597,7 @@ def goals(rows: list[dict], equal_steps: bool = True) -> dict:
             "time_to_quality<=1/3": None if row.get("time_to_quality_vs_none") is None
             else row["time_to_quality_vs_none"] <= 1 / 3,
         }
-        if equal_steps:
+        if equal_steps if isinstance(equal_steps, bool) else row["run"] in equal_steps:
             out[f"{row['run']}/{row['config']}"][f"val_loss_within_{GOAL_GAP:.0%}"] = \
                 abs(row.get("gap_vs_none", 1)) <= GOAL_GAP
     by_run = {}
@@ -593,16 +628,17 @@ def print_table(rows: list[dict]) -> None:
               f"{cell(r.get('time_to_quality_vs_none'), '.2f', 8)}")
 
 
-def plot(results: dict, rows: list[dict], path: str) -> None:
+def plot(results: dict, rows: list[dict], path: str, bytes_only=()) -> None:
     """Left: validation loss against training wall seconds, one curve per configuration and
-    run (the time-to-quality plot). Right: bytes each worker transmits per step."""
+    run (the time-to-quality plot; not for `bytes_only` runs). Right: bytes each worker
+    transmits per step."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax_loss, ax_bytes) = plt.subplots(1, 2, figsize=(16, 6))
     styles = ["-", "--", ":", "-."]
-    for k, (run, configs) in enumerate(results.items()):
+    for k, (run, configs) in enumerate((r, c) for r, c in results.items() if r not in bytes_only):
         for name, row in configs.items():
             seconds, losses = zip(*row["val_curve_wall"])
             ax_loss.plot(seconds, losses, ls=styles[k % len(styles)], marker="o", ms=2, label=f"{run} {name}")
@@ -610,6 +646,7 @@ def plot(results: dict, rows: list[dict], path: str) -> None:
         if none:
             ax_loss.axhline(none["final_val_loss"], color="grey", lw=0.5)
     ax_loss.set_xscale("symlog", linthresh=10)
+    ax_loss.set_xlim(left=0)
     ax_loss.set_xlabel("training wall-clock seconds (evaluation excluded)")
     ax_loss.set_ylabel("validation loss (nats/byte)")
     ax_loss.set_ylim(top=min(6.0, ax_loss.get_ylim()[1]))
@@ -644,6 +681,25 @@ def _run_link(link: str, workers: int, args, workdir: str, meta: dict) -> dict:
         teardown_link()
 
 
+def sittings(args) -> list[argparse.Namespace]:
+    """What runs, one Namespace per (link, worker count): the command line's --links x
+    --workers with its --configs and steps, or --suite's list (each sitting's own configs,
+    steps and evaluation; everything else from the command line)."""
+    if not args.suite:
+        links = [l.strip() for l in args.links.split(",") if l.strip()]
+        return [argparse.Namespace(**{**vars(args), "link": link, "workers": int(w)})
+                for link in links for w in args.workers.split(",")]
+    out = []
+    for sitting in SUITES[args.suite]["sittings"]:
+        configs = sitting["configs"].split(",")
+        unknown = [c for c in configs if c not in CONFIGS]
+        if unknown:
+            raise SystemExit(f"suite {args.suite}: unknown configs {unknown}")
+        out.append(argparse.Namespace(**{**vars(args), "compressed_steps": 0, "bytes_at_step": 0,
+                                         **sitting, "configs": configs}))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -666,6 +722,11 @@ def main() -> None:
     parser.add_argument("--probe-mb", type=int, default=20, help="MB of the TCP check of each link")
     parser.add_argument("--name", default="compression", help="OUT/NAME.json and OUT/NAME.png")
     parser.add_argument("--connect-timeout", type=float, default=120.0)
+    parser.add_argument("--suite", choices=sorted(SUITES), help="run a named set of sittings (model, "
+                        "links, workers, configurations, steps) in one command: issue13 is issue 13's "
+                        "benchmark, about 40 minutes (root)")
+    parser.add_argument("--bytes-at-step", type=int, default=0, help="count bytes as in a run of this "
+                        "many steps (its last phase) while training only --steps: a bytes-only sitting")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result-file", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -675,6 +736,12 @@ def main() -> None:
         parser.error(f"unknown configs {unknown}; choose from {', '.join(CONFIGS)}")
     if args.worker:
         return worker(args)
+    if args.suite:
+        if args.reference:
+            parser.error("--suite trains every none it compares against: leave out --reference")
+        args.model, args.batch = SUITES[args.suite]["model"], SUITES[args.suite]["batch"]
+        if args.name == "compression":
+            args.name = args.suite
     reference = None
     if args.reference:
         with open(args.reference) as f:
@@ -686,8 +753,6 @@ def main() -> None:
     elif "none" not in args.configs:
         args.configs.insert(0, "none")  # time to quality is measured against it
 
-    links = [l.strip() for l in args.links.split(",") if l.strip()]
-    counts = [int(w) for w in args.workers.split(",")]
     os.makedirs(args.out, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="tfpar_compression_")
     print(f"logs and per-worker results in {workdir}", flush=True)
@@ -698,25 +763,32 @@ def main() -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, interrupted)
-    for link in links:
-        for workers in counts:
-            t0 = time.perf_counter()
-            chief = _run_link(link, workers, args, workdir, meta["links"])
-            results[f"{link}_w{workers}"] = chief["results"]
-            if reference is not None:
-                results[f"{link}_w{workers}"] = {"none": {**reference["results"][f"{link}_w{workers}"]["none"],
-                                                          "from": args.reference},
-                                                 **chief["results"]}
-            extra = {"plans": chief["plans"], "analytic_everything_compressed": chief["analytic_everything_compressed"]}
-            meta[f"{link}_w{workers}_wall_s"] = time.perf_counter() - t0
+    equal_steps, bytes_only = set(), set()
+    for sitting in sittings(args):
+        key = f"{sitting.link}_w{sitting.workers}"
+        t0 = time.perf_counter()
+        chief = _run_link(sitting.link, sitting.workers, sitting, workdir, meta["links"])
+        results[key] = chief["results"]
+        if reference is not None:
+            results[key] = {"none": {**reference["results"][key]["none"], "from": args.reference},
+                            **chief["results"]}
+        extra = {"plans": chief["plans"], "analytic_everything_compressed": chief["analytic_everything_compressed"]}
+        meta[f"{key}_wall_s"] = time.perf_counter() - t0
+        meta.setdefault("sittings", {})[key] = {k: getattr(sitting, k) for k in (
+            "configs", "steps", "compressed_steps", "eval_every", "bytes_at_step")}
+        if sitting.bytes_at_step:
+            bytes_only.add(key)
+        elif not sitting.compressed_steps or sitting.compressed_steps == sitting.steps:
+            equal_steps.add(key)
 
-    ttq = time_to_quality(results)
+    ttq = time_to_quality({k: v for k, v in results.items() if k not in bytes_only})
     rows = table(results)
     print_table(rows)
-    verdict = goals(rows, equal_steps=not args.compressed_steps or args.compressed_steps == args.steps)
+    verdict = goals(rows, equal_steps=equal_steps, bytes_only=bytes_only)
     print(json.dumps(verdict, indent=1))
     with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
-        json.dump({"model": args.model, "workers": counts, "strategy": "multi_worker_mirrored",
+        json.dump({"model": args.model, "suite": args.suite,
+                   "workers": sorted({int(k.rsplit("_w", 1)[1]) for k in results}), "strategy": "multi_worker_mirrored",
                    "global_batch": args.batch, "steps": args.steps,
                    "compressed_steps": args.compressed_steps or args.steps, "reference": args.reference,
                    "steps_per_loop": args.steps_per_loop,
@@ -726,7 +798,7 @@ def main() -> None:
                    "time_to_quality_vs_none": ttq, "table": rows,
                    "powersgd_rank4_arithmetic": powersgd_arithmetic(4), **extra, **meta,
                    "results": results, "total_wall_s": time.perf_counter() - started}, f, indent=2)
-    plot(results, rows, os.path.join(args.out, f"{args.name}.png"))
+    plot(results, rows, os.path.join(args.out, f"{args.name}.png"), bytes_only)
     print(f"wrote {args.out}/{args.name}.json and {args.name}.png "
           f"({time.perf_counter() - started:.0f} s)", flush=True)
 
