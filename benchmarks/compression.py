@@ -557,11 +557,12 @@ def powersgd_arithmetic(rank: int = 4) -> dict:
             for label, (n, m) in shapes.items()}
 
 
-def table(results: dict) -> list[dict]:
-    """One row per (run = link and worker count, configuration)."""
+def table(results: dict, bytes_only=()) -> list[dict]:
+    """One row per (run = link and worker count, configuration); runs in `bytes_only`
+    trained a few steps, so their rows carry no speed-up or loss gap."""
     rows = []
     for run, configs in results.items():
-        none = configs.get("none")
+        none = configs.get("none") if run not in bytes_only else None
         for name, r in configs.items():
             row = {"run": run, "config": name, "bytes_per_step": r["bytes_per_step"], "ratio": r["ratio"],
                    "run_ratio": r.get("run_ratio"),  # older JSONs have none
@@ -724,7 +725,7 @@ def main() -> None:
     parser.add_argument("--connect-timeout", type=float, default=120.0)
     parser.add_argument("--suite", choices=sorted(SUITES), help="run a named set of sittings (model, "
                         "links, workers, configurations, steps) in one command: issue13 is issue 13's "
-                        "benchmark, about 40 minutes (root)")
+                        "benchmark, 33 minutes here (root)")
     parser.add_argument("--bytes-at-step", type=int, default=0, help="count bytes as in a run of this "
                         "many steps (its last phase) while training only --steps: a bytes-only sitting")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -782,17 +783,18 @@ def main() -> None:
             equal_steps.add(key)
 
     ttq = time_to_quality({k: v for k, v in results.items() if k not in bytes_only})
-    rows = table(results)
+    rows = table(results, bytes_only)
     print_table(rows)
     verdict = goals(rows, equal_steps=equal_steps, bytes_only=bytes_only)
     print(json.dumps(verdict, indent=1))
     with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
         json.dump({"model": args.model, "suite": args.suite,
                    "workers": sorted({int(k.rsplit("_w", 1)[1]) for k in results}), "strategy": "multi_worker_mirrored",
-                   "global_batch": args.batch, "steps": args.steps,
-                   "compressed_steps": args.compressed_steps or args.steps, "reference": args.reference,
-                   "steps_per_loop": args.steps_per_loop,
-                   "eval_every": args.eval_every, "eval_examples": args.eval_examples,
+                   "global_batch": args.batch,  # a suite's steps are per sitting: "sittings"
+                   "steps": None if args.suite else args.steps,
+                   "compressed_steps": None if args.suite else args.compressed_steps or args.steps,
+                   "reference": args.reference, "steps_per_loop": args.steps_per_loop,
+                   "eval_every": None if args.suite else args.eval_every, "eval_examples": args.eval_examples,
                    "warmup_calls_excluded": args.warmup_calls,
                    "goals": {"ratio": GOAL_RATIO, "val_loss_gap": GOAL_GAP, "met": verdict},
                    "time_to_quality_vs_none": ttq, "table": rows,

@@ -1,5 +1,7 @@
 """DGC and PowerSGD's schedules: exact cases, error feedback with momentum, bytes, refusals."""
 
+import types
+
 import keras
 import numpy as np
 import pytest
@@ -185,6 +187,44 @@ def test_a_start_in_fp16_is_the_fp16_run_at_half_the_bytes_then_powersgd_takes_o
     longer, _, _ = train(strategy, weights, every_tensor_fp16, steps=6)
     got, _, _ = train(strategy, weights, started, steps=6)
     assert gap(got, longer) > 1e-4  # PowerSGD from step 4
+
+
+def test_in_an_fp16_start_a_sparse_gradient_stays_sparse_and_float32():
+    """As without a start compressor: an embedding gradient with fewer rows than its table is
+    summed sparse in float32 (16 bits would make it dense); dense ones go in fp16."""
+    strategy = mirrored(2)
+    with strategy.scope():
+        variables = [tf.Variable(tf.zeros([100, 8])), tf.Variable(tf.zeros([8, 8]))]
+        compression = C.Compression(C.PowerSGD(2), C.Policy(min_size=0, skip=(), warmup_steps=2,
+                                                            warmup_compressor="fp16"))
+        compression.build(variables)
+    compression.set_phase("warmup")
+    rng = np.random.RandomState(5)
+    rows = (1 + 1e-3 * rng.normal(size=(2, 3, 8))).astype("float32")  # fp16 would round these
+    dense = rng.normal(size=(2, 8, 8)).astype("float32")
+    kinds = []
+
+    def step(r, rows, dense):
+        sparse = tf.IndexedSlices(tf.gather(rows, r), tf.constant([1, 5, 7]), tf.constant([100, 8]))
+        table, matrix = compression([sparse, tf.gather(dense, r)], variables)
+        kinds.append(type(table).__name__)
+        return tf.convert_to_tensor(table), matrix
+
+    for table, matrix in run_per_replica(strategy, step, tf.constant(rows), tf.constant(dense)):
+        np.testing.assert_allclose(tf.gather(table, [1, 5, 7]), rows.sum(0), rtol=1e-7)
+        assert 0 < np.abs(matrix - dense.sum(0)).max() < 1e-2  # fp16 rounding
+    assert set(kinds) == {"IndexedSlices"}
+
+
+def test_bf16_is_refused_on_gpus_also_as_a_start():
+    from tfpar.compression.compressed_aggregator import _check_dtype_support
+
+    gpus = types.SimpleNamespace(extended=types.SimpleNamespace(worker_devices=("/device:GPU:0",)))
+    with pytest.raises(C.CompressionError, match="bf16 gradients cannot be summed by NCCL"):
+        _check_dtype_support(C.Policy(warmup_steps=3, warmup_compressor="bf16").start(), gpus)
+    with pytest.raises(C.CompressionError, match="bf16 gradients cannot be summed by NCCL"):
+        _check_dtype_support(C.OneBitAdam(warmup_compressor="bf16").warmup_compressor, gpus)
+    _check_dtype_support(C.OneBitAdam(warmup_compressor="fp16").warmup_compressor, gpus)
 
 
 def test_a_start_compressor_that_cannot_start_is_refused_by_name():

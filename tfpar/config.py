@@ -134,14 +134,15 @@ def _validate_compression(config) -> None:
              "min_size and warmup_steps must be >= 0.")
     _require(not (ca.warmup_steps and config.mode == "fit"), "compression_args.warmup_steps",
              "warm-up steps need --config.mode=loop (Keras fit traces one train step).")
-    _require(ca.warmup_compression in WARMUP_COMPRESSORS, "compression_args.warmup_compression",
+    start = str(ca.warmup_compression).lower()
+    _require(start in WARMUP_COMPRESSORS, "compression_args.warmup_compression",
              f"{ca.warmup_compression!r} is not one of {', '.join(WARMUP_COMPRESSORS)} (the start "
              "sends every tensor dense).")
-    _require(ca.warmup_compression == "none" or ca.warmup_steps or config.compression == "onebit_adam",
+    _require(start == "none" or ca.warmup_steps or config.compression == "onebit_adam",
              "compression_args.warmup_compression",
              "compresses the uncompressed start: give it --config.compression_args.warmup_steps > 0.")
     own_start = config.compression in ("dgc", "auto") or (config.compression == "none" and not ca.overrides)
-    _require(ca.warmup_compression == "none" or not own_start, "compression_args.warmup_compression",
+    _require(start == "none" or not own_start, "compression_args.warmup_compression",
              f"applies to fp16/bf16/int8/topk/powersgd/sign/onebit_adam (or overrides), not "
              f"{config.compression} (dgc and auto start their own way; none has no start).")
 

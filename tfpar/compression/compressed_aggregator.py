@@ -138,7 +138,8 @@ class Compression(tf.Module, GradientAggregator):
 
     def _plan_for(self, phase) -> list:
         """The compressor per variable in `phase`: the start sends every tensor through the
-        policy's warm-up compressor (None: float32), later phases follow the plan."""
+        policy's warm-up compressor (None: float32; a sparse gradient with fewer rows than
+        its table stays sparse in float32, as without one), later phases follow the plan."""
         return [self.policy.start()] * len(self.plan) if phase == "warmup" else self.plan
 
     def _param(self, phase=None):
@@ -155,6 +156,9 @@ class Compression(tf.Module, GradientAggregator):
         replicas = context.num_replicas_in_sync
         communicate = replicas > 1 or multi_worker(context)
         plan = self._plan_for(self._phase)
+        if self._phase == "warmup":  # a sparse gradient that would go sparse stays sparse, in float32
+            plan = [None if isinstance(densify_if_smaller(g, v), tf.IndexedSlices) else c
+                    for g, v, c in zip(gradients, variables, plan)]
         result: list = [None] * len(gradients)
 
         def all_reduce(tensors: list) -> list:

@@ -29,7 +29,8 @@ from typing import Sequence
 import tensorflow as tf
 
 from tfpar.compression import two_phase
-from tfpar.compression.compressed_aggregator import Compression, _all_gather_words, _dense, _per_replica
+from tfpar.compression.compressed_aggregator import (Compression, _all_gather_words, _check_dtype_support,
+                                                     _dense, _per_replica)
 from tfpar.compression.compressors import CompressionError, Sign
 from tfpar.compression.dgc import _sgd_class
 from tfpar.compression.policy import Policy, WARMUP_COMPRESSORS
@@ -71,6 +72,8 @@ class OneBitAdam(Compression):
 
     def build(self, variables: Sequence[tf.Variable]) -> None:
         strategy = tf.distribute.get_strategy()
+        if self.warmup_compressor is not None:
+            _check_dtype_support(self.warmup_compressor, strategy)  # bf16: not on GPUs
         self.replicas = strategy.num_replicas_in_sync
         paths = [getattr(v, "path", v.name) for v in variables]
         self.compressed = [self.policy.choose(p, tuple(v.shape), Sign()) is not None
