@@ -63,9 +63,9 @@ class Compression(tf.Module, GradientAggregator):
 
     def build(self, variables: Sequence[tf.Variable]) -> None:
         """Chooses a compressor per variable and creates the per-replica state."""
-        _check_dtype_support(self.compressor, tf.distribute.get_strategy())
-        if self.policy.start() is not None:
-            _check_dtype_support(self.policy.start(), tf.distribute.get_strategy())
+        for compressor in (self.compressor, self.policy.start()):
+            if compressor is not None:
+                _check_dtype_support(compressor, tf.distribute.get_strategy())
         self.paths = [getattr(v, "path", v.name) for v in variables]
         for path, v in zip(self.paths, variables):
             wanted = self.policy.wanted(path, tuple(v.shape), self.compressor)
@@ -136,11 +136,18 @@ class Compression(tf.Module, GradientAggregator):
     def set_phase(self, phase) -> None:
         self._phase = phase
 
-    def _plan_for(self, phase) -> list:
+    def _plan_for(self, phase, gradients=None, variables=None) -> list:
         """The compressor per variable in `phase`: the start sends every tensor through the
-        policy's warm-up compressor (None: float32; a sparse gradient with fewer rows than
-        its table stays sparse in float32, as without one), later phases follow the plan."""
-        return [self.policy.start()] * len(self.plan) if phase == "warmup" else self.plan
+        policy's warm-up compressor (None: float32), later phases follow the plan. Given the
+        step's gradients, a sparse one that would go sparse (densify_if_smaller) stays sparse
+        in float32 in the start, as without a warm-up compressor."""
+        if phase != "warmup":
+            return self.plan
+        start = self.policy.start()
+        if gradients is None:
+            return [start] * len(self.plan)
+        return [None if isinstance(densify_if_smaller(g, v), tf.IndexedSlices) else start
+                for g, v in zip(gradients, variables)]
 
     def _param(self, phase=None):
         """The stage parameter (DGC density, PowerSGD rank) of `phase` (default: traced one)."""
@@ -155,10 +162,7 @@ class Compression(tf.Module, GradientAggregator):
         context = tf.distribute.get_replica_context()
         replicas = context.num_replicas_in_sync
         communicate = replicas > 1 or multi_worker(context)
-        plan = self._plan_for(self._phase)
-        if self._phase == "warmup":  # a sparse gradient that would go sparse stays sparse, in float32
-            plan = [None if isinstance(densify_if_smaller(g, v), tf.IndexedSlices) else c
-                    for g, v, c in zip(gradients, variables, plan)]
+        plan = self._plan_for(self._phase, gradients, variables)
         result: list = [None] * len(gradients)
 
         def all_reduce(tensors: list) -> list:

@@ -33,7 +33,7 @@ from tfpar.compression.compressed_aggregator import (Compression, _all_gather_wo
                                                      _dense, _per_replica)
 from tfpar.compression.compressors import CompressionError, Sign
 from tfpar.compression.dgc import _sgd_class
-from tfpar.compression.policy import Policy, WARMUP_COMPRESSORS
+from tfpar.compression.policy import Policy, start_compressor
 from tfpar.loop.aggregation import multi_worker
 
 
@@ -52,13 +52,7 @@ class OneBitAdam(Compression):
             raise CompressionError("onebit_adam needs betas in [0, 1), epsilon > 0, clip_norm >= 0.")
         self.freeze_step, self.beta_1, self.beta_2 = freeze_step, beta_1, beta_2
         self.epsilon, self.clip_norm = epsilon, clip_norm
-        if str(warmup_compressor).lower() not in WARMUP_COMPRESSORS:
-            raise CompressionError(f"onebit_adam warmup_compressor {warmup_compressor!r} is not one of "
-                                   f"{', '.join(WARMUP_COMPRESSORS)} (Adam's warm-up sends every gradient dense).")
-        from tfpar.compression import get  # names -> compressors
-
-        start = get(str(warmup_compressor).lower())
-        self.warmup_compressor = None if start.name == "none" else start
+        self.warmup_compressor = start_compressor(warmup_compressor, "onebit_adam warmup_compressor")
         self.policy = policy or Policy()
         self.compressed: list[bool] = []
         self.compressor, self.reset_on_restore, self.state = Sign(), False, {}

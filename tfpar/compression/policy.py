@@ -38,14 +38,9 @@ class Policy:
     def __post_init__(self):
         if self.min_size < 0 or self.warmup_steps < 0:
             raise CompressionError("Policy min_size and warmup_steps must be >= 0.")
-        name = str(self.warmup_compressor).lower()
-        if name not in WARMUP_COMPRESSORS:
-            raise CompressionError(
-                f"warmup_compressor {self.warmup_compressor!r} is not one of "
-                f"{', '.join(WARMUP_COMPRESSORS)}: the start sends every tensor dense; a lossy "
-                "compressor belongs after it (the Compression's own compressor).")
-        if name != "none" and not self.warmup_steps:
-            raise CompressionError(f"warmup_compressor={name!r} needs warmup_steps > 0 "
+        start = start_compressor(self.warmup_compressor, "warmup_compressor")
+        if start is not None and not self.warmup_steps:
+            raise CompressionError(f"warmup_compressor={start.name!r} needs warmup_steps > 0 "
                                    "(it compresses the start, which is empty).")
         for pattern in (*self.skip, *self.overrides):
             try:
@@ -55,11 +50,7 @@ class Policy:
 
     def start(self) -> Compressor | None:
         """What every tensor goes through during the first `warmup_steps` (None: float32)."""
-        from tfpar.compression import get  # names -> compressors
-
-        chosen = get(self.warmup_compressor) if isinstance(self.warmup_compressor, str) \
-            else self.warmup_compressor
-        return None if chosen.name == "none" else chosen
+        return start_compressor(self.warmup_compressor, "warmup_compressor")
 
     def choose(self, path: str, shape, default: Compressor) -> Compressor | None:
         """The compressor for the variable at `path` (None: plain float32 all-reduce)."""
@@ -82,3 +73,17 @@ class Policy:
         if compressor.name == "none" or not compressor.applies_to(shape):
             return None
         return compressor
+
+
+def start_compressor(value: Compressor | str, what: str) -> Compressor | None:
+    """The compressor a start sends every tensor through (None: float32), checked: only a
+    dense one of WARMUP_COMPRESSORS. `what` names the argument in the message."""
+    name = getattr(value, "name", str(value)).lower()
+    if name not in WARMUP_COMPRESSORS:
+        raise CompressionError(
+            f"{what} {value!r} is not one of {', '.join(WARMUP_COMPRESSORS)}: the start sends "
+            "every tensor dense; a lossy compressor belongs after it (the Compression's own compressor).")
+    from tfpar.compression import get  # names -> compressors
+
+    chosen = get(name) if isinstance(value, str) else value
+    return None if chosen.name == "none" else chosen
