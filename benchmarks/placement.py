@@ -22,9 +22,10 @@ since equal times are not what this model's stages take.
 It writes a Gantt chart per setting and ONE animated GIF of the schedules at S=2, M=8 (or
 the first S and the largest M asked for) playing side by side on one clock, from measured
 timings. A GPU, where there is one, is split into 2 logical GPUs (S = 2 only; see
-benchmarks/gpu_check.sh). The CPU is split into 4 logical devices with intra_op=1 and inter_op=4 threads,
-so stages overlap only as the schedule lets them. Plans are balanced by counted FLOPs, or
-by measured seconds (`--cost=seconds`: what this CPU takes per stage, forward + backward).
+benchmarks/gpu_check.sh). The CPU is split into 4 logical devices with intra_op=1 and one
+inter-op thread per pipeline device (the largest S asked for; `--inter-op`), so stages
+overlap only as the schedule lets them. Plans are balanced by counted FLOPs, or by measured
+seconds (`--cost=seconds`: what this CPU takes per stage, forward + backward).
 Speed lives here, never in tests.
 """
 
@@ -34,6 +35,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -42,12 +44,30 @@ import tensorflow as tf  # noqa: E402
 
 from tfpar.strategy import runtime  # noqa: E402
 
+
+
+def inter_op_threads(argv: list[str]) -> int:
+    """`--inter-op`, else the largest S asked for: one inter-op thread per pipeline device.
+
+    With more threads than devices (4 for S = 2), the devices' independent ops crowd the
+    cores in a schedule's steady state, while a device alone (1F1B's warm-up and cool-down,
+    the bubble's edges) has them to itself: its forwards ran 1.57x faster alone, which
+    shrank the very bubble 1F1B is measured by. With 2 threads they run 1.01-1.05x faster
+    alone. Read before TensorFlow starts, so from the command line itself."""
+    early = argparse.ArgumentParser(add_help=False)
+    early.add_argument("--stages", default="2,4")
+    early.add_argument("--inter-op", type=int, default=0)
+    known, _ = early.parse_known_args(argv)
+    return known.inter_op or max(int(s) for s in known.stages.split(","))
+
+
 # a GPU is split in 2 (the issue's GPU run: S = 2), the CPU in 4 that must share its cores:
-# one thread per op, and enough inter-op threads for the stages to overlap
+# one thread per op, and one inter-op thread per pipeline device so the stages overlap
 KIND = "GPU" if tf.config.list_physical_devices("GPU") else "CPU"
-if KIND == "CPU":
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(4)
+THREADS = {"intra_op": 1, "inter_op": inter_op_threads(sys.argv[1:])} if KIND == "CPU" else None
+if THREADS:
+    tf.config.threading.set_intra_op_parallelism_threads(THREADS["intra_op"])
+    tf.config.threading.set_inter_op_parallelism_threads(THREADS["inter_op"])
 DEVICES = runtime.split_devices(2 if KIND == "GPU" else 4, gpu_memory_mb=16 << 10)
 
 import numpy as np  # noqa: E402
@@ -193,6 +213,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--inter-op", type=int, default=0,
+                        help="CPU inter-op threads (default: the largest --stages; read at import)")
     args = parser.parse_args()
     too_many = [s for s in map(int, args.stages.split(",")) if s > len(DEVICES)]
     if too_many:
@@ -242,7 +264,7 @@ def main() -> None:
     result = {"model": f"GPT depth {args.depth}, dim {args.dim}, 4 heads, vocab 256", "seq_len": args.seq, "global_batch": args.batch,
               "balanced_by": args.cost,
               "step": "forward + backward (no optimizer update)",
-              "threads": {"intra_op": 1, "inter_op": 4} if KIND == "CPU" else "TensorFlow's defaults",
+              "threads": THREADS or "TensorFlow's defaults",
               "logical_devices": len(DEVICES),
               "device_kind": KIND, "physical_cores": os.cpu_count(), "gif": "pipeline_schedules.gif",
               "goals": goals(rows), "runs": rows}
