@@ -106,6 +106,78 @@ def test_state_restores_and_the_errors_restart_at_zero_under_another_replica_cou
     assert said.count("checkpointed with 2 replicas; this run has 4 so they start at zero") == 1
 
 
+def test_exchanging_every_k_steps_holds_the_agreed_momentum_and_sends_every_gradient(weights, tmp_path):
+    """exchange_every=4 at learning rate 0 (the weights stay put, so every gradient is known):
+    three held steps step with the agreed momentum m (identical on both replicas) and keep
+    what it missed, (1 - beta)(R g - m) for each local gradient g, pending; the fourth
+    exchanges beta m + (1 - beta) R g + pending through the two-phase 1-bit mean, exactly,
+    and empties the pending sum. A checkpoint taken between holds restores the pending sum
+    as its mean over replicas (the rule for error state), and the exchange goes on from it.
+    Bytes counted from the traced step == analytic == a quarter of an exchange per step."""
+    strategy, beta, replicas = mirrored(2), 0.9, 2
+    onebit = C.OneBitAdam(freeze_step=2, exchange_every=4, policy=C.Policy(min_size=0))
+    _, trainer, dataset = train(strategy, weights, lambda: keras.optimizers.SGD(0.0), onebit, steps=5)
+    model, index = mlp(), [i for i, c in enumerate(onebit.compressed) if c]
+    model.set_weights(weights)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
+    batches = list(mlp_data(steps=6))
+
+    def gradients(x, y):  # of the global batch's mean loss (16 examples), for these rows
+        with tf.GradientTape() as tape:
+            value = loss(y, model(x)) / 16
+        return [g.numpy() for g in tape.gradient(value, model.trainable_variables)]
+
+    g = [gradients(x, y) for x, y in batches]                       # global, per step
+    g_r = [[gradients(x[8 * r:8 * r + 8], y[8 * r:8 * r + 8]) for r in range(replicas)] for x, y in batches]
+    m2 = [(1 - beta) * (beta * a + b) for a, b in zip(g[0], g[1])]   # Adam's m after the warm-up
+    for i in index:
+        for m in strategy.experimental_local_results(onebit.m[i]):   # the same on every replica
+            np.testing.assert_allclose(m.numpy(), m2[i], rtol=1e-5, atol=1e-8)
+    flat = lambda parts: np.pad(np.concatenate([p.ravel() for p in parts]),  # noqa: E731
+                                (0, onebit.padded - sum(p.size for p in parts)))
+    pending = onebit.pending
+    missed = lambda r, steps: flat([(1 - beta) * sum(replicas * g_r[s][r][i] - m2[i] for s in steps)  # noqa: E731
+                                    for i in index])
+    for r, value in enumerate(strategy.experimental_local_results(pending)):
+        np.testing.assert_allclose(value.numpy(), missed(r, (2, 3, 4)), rtol=1e-5, atol=1e-7)
+    path = tf.train.Checkpoint(compression=onebit).save(str(tmp_path / "between_exchanges"))
+    pending.assign(tf.zeros_like(pending))
+    tf.train.Checkpoint(compression=onebit).restore(path).assert_consumed()
+    mean_missed = (missed(0, (2, 3, 4)) + missed(1, (2, 3, 4))) / 2
+    for value in strategy.experimental_local_results(pending):
+        np.testing.assert_allclose(value.numpy(), mean_missed, rtol=1e-5, atol=1e-7)
+
+    sixth = strategy.experimental_distribute_dataset(mlp_data(steps=6).skip(5))
+    trainer.fit(sixth, steps=6, start_step=5)  # the fourth compressed step exchanges
+    local = [flat([beta * m2[i] + (1 - beta) * replicas * g_r[5][r][i] for i in index]) + mean_missed
+             for r in range(replicas)]
+    with strategy.scope():
+        zeros = lambda n: tf.Variable(tf.zeros([n]), synchronization=tf.VariableSynchronization.ON_READ,  # noqa: E731
+                                      aggregation=tf.VariableAggregation.MEAN)
+        worker, server = zeros(onebit.padded), zeros(onebit.padded // replicas)
+    from tfpar.compression.compressed_aggregator import _all_gather_words
+
+    def exchange(r, momenta):
+        context = tf.distribute.get_replica_context()
+        return two_phase.compressed_mean(context, tf.gather(momenta, r), worker, server, replicas, True,
+                                         lambda w: _all_gather_words(context, w))
+
+    expected = run_per_replica(strategy, exchange, tf.constant(np.stack(local)))[0].numpy()
+    got = flat([strategy.experimental_local_results(onebit.m[i])[0].numpy() for i in index])
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
+    assert not np.any(pending.numpy())
+
+    step = trainer.traced_step(dataset, "compressed")
+    variables = trainer.model.trainable_variables
+    analytic = onebit.payload_bytes(variables)
+    assert accounting.bytes_per_replica(step, in_loops_only=True) == pytest.approx(sum(analytic.values()))
+    every_step = C.OneBitAdam(freeze_step=2, policy=C.Policy(min_size=0))
+    every_step.compressed, every_step.padded, every_step.replicas = onebit.compressed, onebit.padded, replicas
+    whole = every_step.payload_bytes(variables)
+    assert analytic["all_to_all"] == whole["all_to_all"] / 4 and analytic["all_reduce"] == whole["all_reduce"]
+    assert repr(onebit) == "onebit_adam(freeze=2, every 4 steps)"
+
+
 def test_two_phase_error_compensation_identities():
     """sent + new worker error == momentum + old worker error (per replica, per chunk), and
     the server side keeps what its re-compression of the average missed."""
@@ -167,3 +239,5 @@ def test_onebit_refuses_optimizers_and_bad_arguments():
     onebit.check_optimizer(keras.optimizers.SGD(0.1))
     with pytest.raises(C.CompressionError, match="freeze_step must be >= 1"):
         C.OneBitAdam(freeze_step=0)
+    with pytest.raises(C.CompressionError, match="exchange_every must be >= 1"):
+        C.OneBitAdam(exchange_every=0)

@@ -51,7 +51,7 @@ def base_config() -> ml_collections.ConfigDict:
         warmup_steps=0,         # first steps uncompressed (loop mode only)
         warmup_compression="none",  # those steps (onebit_adam: its Adam warm-up) in float32 (none) or fp16 / bf16
         overrides="",           # "regex=name,regex=name" over variable paths, first match wins
-        skip="",                # regexes (comma-separated) replacing the default skip list
+        skip="",                # regexes (comma-separated) replacing the default skip list; none: skip nothing
         reset_on_restore=False,  # True: error-feedback state is not checkpointed
         embeddings=False,       # also compress the embeddings
         momentum=0.9,           # dgc: momentum (moved into the compressor)
@@ -61,6 +61,7 @@ def base_config() -> ml_collections.ConfigDict:
         stages=4,               # dgc: stages of that ramp
         rank_schedule="",       # powersgd: "8@0,4@300" (steps after warmup_steps)
         freeze_step=100,        # onebit_adam: Adam warm-up steps before 1-bit momentum
+        exchange_every=1,       # onebit_adam: send the 1-bit momentum every K-th step (K x fewer bytes)
         auto_total_steps=0))    # auto: the run's length (0: train.steps; its powersgd starts after 10%)
     c.seed = 0
     c.model = "gpt"                     # a name of tfpar.models.MODELS: gpt | encoder | vit
@@ -141,6 +142,11 @@ def _validate_compression(config) -> None:
     _require(start == "none" or ca.warmup_steps or config.compression == "onebit_adam",
              "compression_args.warmup_compression",
              "compresses the uncompressed start: give it --config.compression_args.warmup_steps > 0.")
+    _require(ca.exchange_every >= 1, "compression_args.exchange_every",
+             f"must be >= 1 (1: exchange the momentum every step), got {ca.exchange_every}.")
+    _require(ca.exchange_every == 1 or config.compression == "onebit_adam", "compression_args.exchange_every",
+             f"applies to onebit_adam only (its momentum is what waits between exchanges), not "
+             f"{config.compression}.")
     own_start = config.compression in ("dgc", "auto") or (config.compression == "none" and not ca.overrides)
     _require(start == "none" or not own_start, "compression_args.warmup_compression",
              f"applies to fp16/bf16/int8/topk/powersgd/sign/onebit_adam (or overrides), not "

@@ -45,16 +45,18 @@ def from_config(name: str, ratio: float = 0.01, rank: int = 4, min_size: int = 1
                 reset_on_restore: bool = False, embeddings: bool = False,
                 momentum: float = 0.9, clip_norm: float = 0.0, masking: bool = True,
                 sparsity_warmup_steps: int = 0, stages: int = 4, rank_schedule: str = "",
-                freeze_step: int = 100, auto_total_steps: int = 600,
+                freeze_step: int = 100, exchange_every: int = 1, auto_total_steps: int = 600,
                 auto_tokens: int = 1024) -> Compression | None:
     """The Compression that `--config.compression=NAME --config.compression_args.*` asks for
     (None for 'none' with no overrides). `overrides`: "regex=name,regex=name"; `skip`: a
-    comma-separated list of regexes that replaces the default skip list; `embeddings`: also
+    comma-separated list of regexes that replaces the default skip list ("none": skip
+    nothing, biases and norms included); `embeddings`: also
     compress the embeddings with NAME. dgc: ratio, momentum, clip_norm, masking,
     sparsity_warmup_steps, stages; powersgd: rank or rank_schedule ("8@0,4@300");
     warmup_steps: the uncompressed start (sent in float32, or in `warmup_compression` fp16 or
-    bf16: also onebit_adam's Adam warm-up); onebit_adam: freeze_step, clip_norm; auto: the run's
-    steps and one replica's tokens per step (the binary passes both from its config)."""
+    bf16: also onebit_adam's Adam warm-up); onebit_adam: freeze_step, clip_norm,
+    exchange_every; auto: the run's steps and one replica's tokens per step (the binary
+    passes both from its config)."""
     def named(key: str) -> Compressor:
         args = {"topk": {"ratio": ratio},
                 "powersgd": {"rank": rank, "rank_schedule": rank_schedule or None},
@@ -69,6 +71,8 @@ def from_config(name: str, ratio: float = 0.01, rank: int = 4, min_size: int = 1
             raise CompressionError(f"compression_args.overrides item {item!r} is not 'regex=name'.")
         parsed[pattern] = named(chosen.strip())
     skip_list = tuple(p.strip() for p in skip.split(",") if p.strip()) if skip else None
+    if skip.strip().lower() == "none":
+        skip_list = ()  # skip nothing: every tensor of at least min_size elements is compressed
     if embeddings and skip_list is None:
         skip_list = tuple(p for p in DEFAULT_SKIP if "embed" not in p)
     policy_args = {"skip": skip_list} if skip_list is not None else {}
@@ -79,6 +83,7 @@ def from_config(name: str, ratio: float = 0.01, rank: int = 4, min_size: int = 1
             raise CompressionError("onebit_adam compresses every large tensor's momentum; "
                                    "compression_args.overrides do not apply (use skip/min_size).")
         return OneBitAdam(freeze_step=freeze_step, clip_norm=clip_norm, warmup_compressor=warmup_compression,
+                          exchange_every=exchange_every,
                           policy=Policy(min_size=min_size, **policy_args))
     compressor = named(name)
     if compressor.name == "none" and not parsed:

@@ -2,7 +2,8 @@
 
 Counted, not guessed: the static shape and dtype of each collective's input in the graph,
 per device, following the graph as it executes (a loop body once per step, the larger
-branch of a conditional, called functions). An all-gather's shape exchange is its own small
+branch of a conditional, or the mean of one named `every_K_steps`, called functions). An
+all-gather's shape exchange is its own small
 collective and is counted like any other; its payload is padded to the largest replica's,
 which is the same static size on every replica here, so the padding is zero and the
 payload is counted from the tensor before the pad op.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 
 import tensorflow as tf
 
@@ -94,6 +96,17 @@ _CALLING = {"While": ("body",), "StatelessWhile": ("body",), "PartitionedCall": 
             "StatefulPartitionedCall": ("f",)}
 
 
+def every_k_steps_name(k: int) -> str:
+    """The name for a conditional whose true branch runs once in every k steps (e.g. a
+    compressed exchange every k-th step): counted as its mean per step, not its larger branch."""
+    return f"every_{k}_steps"
+
+
+def _period(op_name: str) -> int | None:
+    found = re.search(r"every_(\d+)_steps", op_name.rsplit("/", 1)[-1])
+    return int(found.group(1)) if found else None
+
+
 def _kind(op_type: str) -> str:
     if "AllToAll" in op_type:
         return "all_to_all"
@@ -105,7 +118,9 @@ def _kind(op_type: str) -> str:
 def executed_bytes(concrete_function, in_loops_only: bool = False,
                    weight=None) -> collections.Counter:
     """Bytes per device that one execution hands to collectives: loop bodies once, the
-    larger branch of each conditional (only one runs), called functions included.
+    larger branch of each conditional (only one runs; one named by `every_k_steps_name(k)`:
+    its true branch 1/k and its false branch (k-1)/k, the mean per step), called functions
+    included.
     Collectives of data-dependent size count 0 here (see `dynamic`). `in_loops_only`:
     only what runs inside while loops (a train step's body, not the once-per-call part)."""
     graphs = _all_graphs(concrete_function.graph)
@@ -128,8 +143,10 @@ def executed_bytes(concrete_function, in_loops_only: bool = False,
                 total[op.device] += (_describe(op).bytes or 0) * (weight(op.type) if weight else 1)
             elif op.type in _BRANCHING:
                 branches = [count(g, counting) for g in functions(op, _BRANCHING[op.type])]
+                k = _period(op.name) if len(branches) == 2 else None
                 for device in set().union(*branches):
-                    total[device] += max(b[device] for b in branches)
+                    per_branch = [b[device] for b in branches]
+                    total[device] += (per_branch[0] + (k - 1) * per_branch[1]) / k if k else max(per_branch)
             elif op.type in _CALLING:
                 inside = counting or "While" in op.type
                 for g in functions(op, _CALLING[op.type]):

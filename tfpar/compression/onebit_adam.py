@@ -13,11 +13,20 @@ weight decay are Adam's, since AdamW's decoupled decay and SGD's are the same up
   local gradient (times R: an estimate of the sum), the momenta are averaged by the
   two-phase 1-bit all-reduce (tfpar.compression.two_phase) and every replica continues from
   that average. Tensors the policy leaves out (biases, norms, small ones) keep full Adam
-  on a float32 all-reduce.
+  on a float32 all-reduce;
+- `exchange_every=K` (K > 1) sends the 1-bit momentum on every K-th compressed step only,
+  K times fewer bytes. In between every replica steps with the last agreed momentum m as
+  its prediction of the step's momentum (the weights stay identical on every replica), and
+  keeps what that missed, (1 - beta_1)(R g - m) for its local gradient g, in a pending
+  sum. The next exchange sends beta_1 m + (1 - beta_1) R g + pending. Every gradient keeps
+  its whole weight in the trajectory, at most K - 1 steps late; where the gradient is what
+  the momentum predicts, nothing is late. What 0/1 Adam (Lu et al., 2023) gets from local
+  steps, without letting the weights drift.
 
 Example:
     >>> trainer = Trainer(model, keras.optimizers.SGD(schedule), loss, strategy=strategy,
     ...                   aggregator=OneBitAdam(freeze_step=100))
+    >>> OneBitAdam(freeze_step=100, exchange_every=2)   # 1 bit every other step: 64x per tensor
 """
 
 from __future__ import annotations
@@ -28,9 +37,8 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from tfpar.compression import two_phase
-from tfpar.compression.compressed_aggregator import (Compression, _all_gather_words, _check_dtype_support,
-                                                     _dense, _per_replica)
+from tfpar.compression import accounting, collectives, two_phase
+from tfpar.compression.compressed_aggregator import Compression, _check_dtype_support, _dense, _per_replica
 from tfpar.compression.compressors import CompressionError, Sign
 from tfpar.compression.dgc import _sgd_class
 from tfpar.compression.policy import Policy, start_compressor
@@ -42,16 +50,19 @@ class OneBitAdam(Compression):
 
     def __init__(self, freeze_step: int = 100, beta_1: float = 0.9, beta_2: float = 0.999,
                  epsilon: float = 1e-7, clip_norm: float = 0.0, policy: Policy | None = None,
-                 warmup_compressor: str = "none"):
+                 warmup_compressor: str = "none", exchange_every: int = 1):
         tf.Module.__init__(self, name="onebit_adam")  # a Compression by kind (Trainer's
         # compression= takes it), with its own state and step
         if freeze_step < 1:
             raise CompressionError(f"onebit_adam freeze_step must be >= 1 (Adam warm-up steps before "
                                    f"the variance is frozen), got {freeze_step}.")
+        if exchange_every < 1:
+            raise CompressionError(f"onebit_adam exchange_every must be >= 1 (send the compressed "
+                                   f"momentum every K-th step; 1: every step), got {exchange_every}.")
         if not (0 <= beta_1 < 1 and 0 <= beta_2 < 1) or epsilon <= 0 or clip_norm < 0:
             raise CompressionError("onebit_adam needs betas in [0, 1), epsilon > 0, clip_norm >= 0.")
         self.freeze_step, self.beta_1, self.beta_2 = freeze_step, beta_1, beta_2
-        self.epsilon, self.clip_norm = epsilon, clip_norm
+        self.epsilon, self.clip_norm, self.exchange_every = epsilon, clip_norm, exchange_every
         self.warmup_compressor = start_compressor(warmup_compressor, "onebit_adam warmup_compressor")
         self.policy = policy or Policy()
         self.compressed: list[bool] = []
@@ -60,7 +71,8 @@ class OneBitAdam(Compression):
 
     def __repr__(self):
         start = f", {self.warmup_compressor!r} start" if self.warmup_compressor else ""
-        return f"onebit_adam(freeze={self.freeze_step}{start})"
+        every = f", every {self.exchange_every} steps" if self.exchange_every > 1 else ""
+        return f"onebit_adam(freeze={self.freeze_step}{start}{every})"
 
     # -- contract --------------------------------------------------------------------------
 
@@ -83,6 +95,8 @@ class OneBitAdam(Compression):
         errors = tf.Module(name="errors")
         errors.worker = _per_replica(tf.zeros([self.padded]), "worker_error")
         errors.server = _per_replica(tf.zeros([self.padded // self.replicas]), "server_error")
+        if self.exchange_every > 1:  # what the agreed momentum missed since the last exchange
+            errors.pending = _per_replica(tf.zeros([self.padded]), "pending")
         self._errors_name = f"errors_for_{self.replicas}_replicas"
         setattr(self, self._errors_name, errors)
         self.error_replicas = _per_replica(tf.constant(float(self.replicas)), "error_replicas")
@@ -96,6 +110,12 @@ class OneBitAdam(Compression):
     def server_error(self) -> tf.Variable:
         """The receiving side's error for this replica's chunk, [padded / R]."""
         return getattr(self, self._errors_name).server
+
+    @property
+    def pending(self) -> tf.Variable:
+        """What the agreed momentum missed since the last exchange, (1 - beta_1)(R g - m)
+        summed over the held steps, this replica's, [padded] (with exchange_every > 1)."""
+        return getattr(self, self._errors_name).pending
 
     def boundaries(self) -> tuple[int, ...]:
         return (self.freeze_step,)
@@ -136,8 +156,10 @@ class OneBitAdam(Compression):
         dense = sum(start.payload_bytes(int(v.shape.num_elements())) if start else 4 * int(v.shape.num_elements())
                     for v, c in zip(variables, self.compressed) if phase == "warmup" or not c)
         report = {"all_reduce": dense}
-        if phase != "warmup" and self.padded:
-            report.update(two_phase.payload_bytes(self.padded, self.replicas))
+        if phase != "warmup" and self.padded:  # the mean per step: one exchange in K steps
+            every = self.exchange_every
+            report.update({kind: b / every if every > 1 else b
+                           for kind, b in two_phase.payload_bytes(self.padded, self.replicas).items()})
         return report
 
     # -- the step (replica context) --------------------------------------------------------
@@ -172,13 +194,31 @@ class OneBitAdam(Compression):
             self._compressed_step(context, grads, replicas, communicate, t, result)
         return result
 
+    def _exchange_every_k(self, t, agreed, added, exchange) -> tf.Tensor:
+        """The momentum every replica steps with: the exchanged one every K-th compressed step,
+        else the last agreed one (what it missed waits in `pending`). The conditional's name
+        tells tfpar.compression.accounting to count its mean bytes."""
+        pending = self.pending
+
+        def send():
+            local_momentum = self.beta_1 * agreed + added + pending
+            pending.assign(tf.zeros_like(pending))
+            return exchange(local_momentum)
+
+        def hold():
+            pending.assign(pending + added - (1 - self.beta_1) * agreed)
+            return agreed
+
+        due = tf.equal(tf.math.floormod(t - self.freeze_step, float(self.exchange_every)), 0.0)
+        return tf.cond(due, send, hold, name=accounting.every_k_steps_name(self.exchange_every))
+
     def _say_if_errors_were_reset(self, replicas: int) -> None:
         """After a restore from another replica count (its count is checkpointed), replica 0
         says once that the error buffers started at zero."""
         def say():
-            tf.print("tfpar: onebit_adam's error buffers were checkpointed with",
-                     tf.cast(self.error_replicas, tf.int32), "replicas; this run has", replicas,
-                     "so they start at zero (momentum, variance and step were restored).",
+            tf.print("tfpar: onebit_adam's error buffers (and gradients pending an exchange) were "
+                     "checkpointed with", tf.cast(self.error_replicas, tf.int32), "replicas; this run has",
+                     replicas, "so they start at zero (momentum, variance and step were restored).",
                      output_stream=sys.stderr)
             return tf.constant(0)
         first = tf.equal(tf.distribute.get_replica_context().replica_id_in_sync_group, 0)
@@ -191,12 +231,19 @@ class OneBitAdam(Compression):
         local = [grads[i] * replicas for i in index]  # this replica's estimate of the sum
         if self.clip_norm:
             local, _ = tf.clip_by_global_norm(local, self.clip_norm)
-        momenta = [self.m[i] * self.beta_1 + (1 - self.beta_1) * g for i, g in zip(index, local)]
-        flat = tf.concat([tf.reshape(m, [-1]) for m in momenta], 0)
-        flat = tf.pad(flat, [[0, self.padded - int(flat.shape[0])]])
-        mean = two_phase.compressed_mean(context, flat, self.worker_error, self.server_error,
-                                         replicas, communicate,
-                                         lambda w: _all_gather_words(context, w))
+        flat = lambda parts: tf.pad(tf.concat([tf.reshape(p, [-1]) for p in parts], 0),  # noqa: E731
+                                    [[0, self.padded - sum(int(p.shape.num_elements()) for p in parts)]])
+        agreed = flat([self.m[i] for i in index])                   # the same on every replica
+        added = flat([(1 - self.beta_1) * g for g in local])        # this replica's gradient
+
+        def exchange(local_momentum):
+            return two_phase.compressed_mean(context, local_momentum, self.worker_error, self.server_error,
+                                             replicas, communicate, lambda w: collectives.all_gather_words(context, w))
+
+        if self.exchange_every == 1:
+            mean = exchange(self.beta_1 * agreed + added)
+        else:
+            mean = self._exchange_every_k(t, agreed, added, exchange)
         sizes = [int(self.m[i].shape.num_elements()) for i in index]
         parts = tf.split(mean[:sum(sizes)], sizes)
         frozen = math.sqrt(1 - self.beta_2 ** self.freeze_step) / (1 - tf.pow(self.beta_1, t))

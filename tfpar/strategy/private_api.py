@@ -228,7 +228,15 @@ def launcher_all_to_all(launcher, tensor):
             ordering_token=launcher._get_ordering_token())
 
 
-__all__ = ["KerasFixError", "add_control_input", "replace_all_reduce", "collective_launcher", "launcher_all_to_all", "base_optimizer", "check_optimizer", "collective_key_base",
+def launcher_all_gather(launcher, tensor):
+    """`launcher.all_gather` along axis 0: the ops the strategy's own all_gather issues (a
+    shape exchange, then CollectiveGatherV2), without its merge_call, which MirroredStrategy
+    refuses inside a tf.cond branch."""
+    return launcher.all_gather(tensor, 0)
+
+
+__all__ = ["KerasFixError", "add_control_input", "replace_all_reduce", "collective_launcher", "launcher_all_to_all",
+           "launcher_all_gather", "base_optimizer", "check_optimizer", "collective_key_base",
            "function_library", "inbound_nodes", "is_loss_scaled", "is_sharded",
            "optimizer_class", "optimizers_of", "runtime_started", "trainer_module",
            "trainer_step"]
