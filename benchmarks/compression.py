@@ -120,6 +120,17 @@ CONFIGS = {
     "onebit_adam": ("onebit_adam", {"freeze_step": 60, "clip_norm": 1.0}, False),
     "onebit_adam+fp16start": ("onebit_adam", {"freeze_step": 60, "clip_norm": 1.0,
                                               "warmup_compression": "fp16"}, False),
+    # the 1-bit momentum sent every 2nd / 4th compressed step, embeddings too: past one bit's 32x
+    "onebit_adam+emb+every2": ("onebit_adam", {"freeze_step": 60, "clip_norm": 1.0, "exchange_every": 2}, True),
+    "onebit_adam+emb+every4": ("onebit_adam", {"freeze_step": 60, "clip_norm": 1.0, "exchange_every": 4}, True),
+    # every tensor 1-bit (biases and norms too, as DeepSpeed's), sent every step / every 2nd step
+    "onebit_adam+all": ("onebit_adam", {"freeze_step": 60, "clip_norm": 1.0, "min_size": 0, "skip": "none"}, True),
+    "onebit_adam+all+every2": ("onebit_adam", {"freeze_step": 60, "clip_norm": 1.0, "exchange_every": 2,
+                                               "min_size": 0, "skip": "none"}, True),
+    "onebit_adam+all+every2+freeze90": ("onebit_adam", {"freeze_step": 90, "clip_norm": 1.0, "exchange_every": 2,
+                                                        "min_size": 0, "skip": "none"}, True),
+    "onebit_adam+all+every2+freeze120": ("onebit_adam", {"freeze_step": 120, "clip_norm": 1.0, "exchange_every": 2,
+                                                         "min_size": 0, "skip": "none"}, True),
     # DGC's own optimizer without compression (DGC at density 1): what DGC's loss is measured against
     "none(sgd)": ("none", {}, False),
     # measures the link and the compute at build, then is none, fp16 or powersgd(4)+start
@@ -131,7 +142,8 @@ OPTIMIZER_FOR = {"dgc": dict(name="sgd", momentum=0.0, clip_norm=0.0, learning_r
                  "none(sgd)": dict(name="sgd", momentum=0.9, clip_norm=1.0, learning_rate=0.1)}
 GOAL_CONFIGS = ("topk(0.01)", "topk(0.01)+emb", "powersgd(4)", "powersgd(4)+emb",
                 "dgc(0.01)", "dgc(0.001)", "powersgd(4)+start", "onebit_adam",
-                "powersgd(4)+start120+16-8-4", "powersgd(4)+fp16start120+16-8-4")
+                "powersgd(4)+start120+16-8-4", "powersgd(4)+fp16start120+16-8-4",
+                "onebit_adam+emb+every2", "onebit_adam+emb+every4", "onebit_adam+all+every2")
 GOAL_RATIO, GOAL_SPEEDUP, GOAL_GAP = 40.0, 3.0, 0.02
 GOAL_AUTO_SLOWER = 0.05  # auto at most 5% slower to quality than none (issue 13, at 1 Gbit/s)
 EMBED = r"embed"
