@@ -45,19 +45,20 @@ import tensorflow as tf  # noqa: E402
 from tfpar.strategy import runtime  # noqa: E402
 
 
-
 def inter_op_threads(argv: list[str]) -> int:
     """`--inter-op`, else the largest S asked for: one inter-op thread per pipeline device.
 
-    With more threads than devices (4 for S = 2), the devices' independent ops crowd the
-    cores in a schedule's steady state, while a device alone (1F1B's warm-up and cool-down,
-    the bubble's edges) has them to itself: its forwards ran 1.57x faster alone, which
-    shrank the very bubble 1F1B is measured by. With 2 threads they run 1.01-1.05x faster
-    alone. Read before TensorFlow starts, so from the command line itself."""
+    With 4 threads for 2 devices on 2 cores, the same plan's units ran unevenly (device 1's
+    forward 163 ms, device 0's 134; 5% more work a step on device 1), and zero-bubble orders
+    need balanced devices. With 2 threads both forwards took 113 ms and the devices' work
+    agreed within 0.5% (docs/placement.md, "One inter-op thread per device"). Read before
+    TensorFlow starts, so from the command line itself."""
     early = argparse.ArgumentParser(add_help=False)
     early.add_argument("--stages", default="2,4")
     early.add_argument("--inter-op", type=int, default=0)
     known, _ = early.parse_known_args(argv)
+    if known.inter_op < 0:
+        early.error(f"--inter-op={known.inter_op}: give a thread count >= 1 (0: one per pipeline device)")
     return known.inter_op or max(int(s) for s in known.stages.split(","))
 
 

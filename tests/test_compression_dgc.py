@@ -366,6 +366,9 @@ def test_config_builds_the_new_compressors_and_refuses_what_cannot_work():
     config.compression, config.compression_args.exchange_every = "onebit_adam", 0
     with pytest.raises(ConfigError, match="compression_args.exchange_every: must be >= 1"):
         validate(config)
+    config.compression_args.exchange_every = 11
+    with pytest.raises(ConfigError, match="exchange_every: must be <= 10"):
+        validate(config)
     config.compression, config.compression_args.exchange_every = "dgc", 2
     with pytest.raises(ConfigError, match="exchange_every: applies to onebit_adam only"):
         validate(config)

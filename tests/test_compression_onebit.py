@@ -241,3 +241,16 @@ def test_onebit_refuses_optimizers_and_bad_arguments():
         C.OneBitAdam(freeze_step=0)
     with pytest.raises(C.CompressionError, match="exchange_every must be >= 1"):
         C.OneBitAdam(exchange_every=0)
+    C.OneBitAdam(exchange_every=10)  # K (1 - beta_1) = 1: the held momentum's coefficient is 0
+    with pytest.raises(C.CompressionError, match=r"exchange_every=11 is more than 1 / \(1 - beta_1\) = 10.*"
+                                                 r"flip sign.*Use exchange_every <= 10"):
+        C.OneBitAdam(exchange_every=11)
+    with pytest.raises(C.CompressionError, match="exchange_every <= 4"):
+        C.OneBitAdam(exchange_every=5, beta_1=0.75)
+
+
+def test_only_a_conditional_named_every_k_steps_counts_as_its_mean():
+    """accounting counts `every_K_steps` (TensorFlow may add _N) as a mean, nothing else."""
+    period = accounting._period  # pylint: disable=protected-access
+    assert period("replica_1/onebit_adam/every_2_steps") == 2 and period("a/every_4_steps_1") == 4
+    assert period("log_every_100_steps") is None and period("every_2_steps/If") is None

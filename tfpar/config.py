@@ -144,6 +144,9 @@ def _validate_compression(config) -> None:
              "compresses the uncompressed start: give it --config.compression_args.warmup_steps > 0.")
     _require(ca.exchange_every >= 1, "compression_args.exchange_every",
              f"must be >= 1 (1: exchange the momentum every step), got {ca.exchange_every}.")
+    _require(ca.exchange_every <= 10, "compression_args.exchange_every",
+             f"must be <= 10 = 1 / (1 - beta_1) for onebit_adam's beta_1 = 0.9 (past it the held "
+             f"momentum flips sign every exchange), got {ca.exchange_every}.")
     _require(ca.exchange_every == 1 or config.compression == "onebit_adam", "compression_args.exchange_every",
              f"applies to onebit_adam only (its momentum is what waits between exchanges), not "
              f"{config.compression}.")

@@ -97,13 +97,15 @@ _CALLING = {"While": ("body",), "StatelessWhile": ("body",), "PartitionedCall": 
 
 
 def every_k_steps_name(k: int) -> str:
-    """The name for a conditional whose true branch runs once in every k steps (e.g. a
-    compressed exchange every k-th step): counted as its mean per step, not its larger branch."""
+    """The name for a conditional whose TRUE branch runs once in every k steps and whose
+    false branch runs the other k - 1 (e.g. a compressed exchange every k-th step): counted
+    as its mean per step, not its larger branch."""
     return f"every_{k}_steps"
 
 
 def _period(op_name: str) -> int | None:
-    found = re.search(r"every_(\d+)_steps", op_name.rsplit("/", 1)[-1])
+    """k of an op named exactly `every_k_steps` (TensorFlow may add `_N` to make it unique)."""
+    found = re.fullmatch(r"every_(\d+)_steps(?:_\d+)?", op_name.rsplit("/", 1)[-1])
     return int(found.group(1)) if found else None
 
 
@@ -156,7 +158,7 @@ def executed_bytes(concrete_function, in_loops_only: bool = False,
     return count(concrete_function.graph, not in_loops_only)
 
 
-def bytes_per_replica(concrete_function, in_loops_only: bool = False) -> int:
+def bytes_per_replica(concrete_function, in_loops_only: bool = False) -> float:
     """Bytes one replica hands to collectives per execution (the busiest device)."""
     return max(executed_bytes(concrete_function, in_loops_only).values(), default=0)
 

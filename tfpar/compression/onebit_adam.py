@@ -18,15 +18,19 @@ weight decay are Adam's, since AdamW's decoupled decay and SGD's are the same up
   K times fewer bytes. In between every replica steps with the last agreed momentum m as
   its prediction of the step's momentum (the weights stay identical on every replica), and
   keeps what that missed, (1 - beta_1)(R g - m) for its local gradient g, in a pending
-  sum. The next exchange sends beta_1 m + (1 - beta_1) R g + pending. Every gradient keeps
-  its whole weight in the trajectory, at most K - 1 steps late; where the gradient is what
-  the momentum predicts, nothing is late. What 0/1 Adam (Lu et al., 2023) gets from local
-  steps, without letting the weights drift.
+  sum. The next exchange sends beta_1 m + (1 - beta_1) R g + pending, so the agreed
+  momentum goes m -> (1 - K(1 - beta_1)) m + (1 - beta_1) x the window's gradients, and each
+  m is stepped with K times. Every gradient keeps its whole weight in the trajectory (at a
+  constant learning rate, before compression error), at most K - 1 steps late; where the
+  gradient is what the momentum predicts, nothing is late. That needs K (1 - beta_1) <= 1
+  (K <= 10 at beta_1 = 0.9): past it the momentum flips sign every window, and from
+  2 / (1 - beta_1) it grows without bound, so larger K are refused. What 0/1 Adam (Lu et
+  al., 2023) gets from local steps, without letting the weights drift.
 
 Example:
     >>> trainer = Trainer(model, keras.optimizers.SGD(schedule), loss, strategy=strategy,
     ...                   aggregator=OneBitAdam(freeze_step=100))
-    >>> OneBitAdam(freeze_step=100, exchange_every=2)   # 1 bit every other step: 64x per tensor
+    >>> OneBitAdam(freeze_step=100, exchange_every=2)   # 1 bit every other step
 """
 
 from __future__ import annotations
@@ -61,6 +65,11 @@ class OneBitAdam(Compression):
                                    f"momentum every K-th step; 1: every step), got {exchange_every}.")
         if not (0 <= beta_1 < 1 and 0 <= beta_2 < 1) or epsilon <= 0 or clip_norm < 0:
             raise CompressionError("onebit_adam needs betas in [0, 1), epsilon > 0, clip_norm >= 0.")
+        if exchange_every * (1 - beta_1) > 1 + 1e-9:
+            raise CompressionError(
+                f"onebit_adam exchange_every={exchange_every} is more than 1 / (1 - beta_1) = "
+                f"{1 / (1 - beta_1):.4g}: the held momentum would flip sign every exchange (and grow "
+                f"without bound from {2 / (1 - beta_1):.4g}). Use exchange_every <= {int(1 / (1 - beta_1) + 1e-9)}.")
         self.freeze_step, self.beta_1, self.beta_2 = freeze_step, beta_1, beta_2
         self.epsilon, self.clip_norm, self.exchange_every = epsilon, clip_norm, exchange_every
         self.warmup_compressor = start_compressor(warmup_compressor, "onebit_adam warmup_compressor")
