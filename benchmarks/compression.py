@@ -81,6 +81,8 @@ REPO = os.path.dirname(HERE)
 CONFIG = os.path.join(REPO, "configs", "gpt_tiny.py")
 
 # name -> (compressor name, its args, also compress the embeddings)
+ONEBIT = {"freeze_step": 60, "clip_norm": 1.0}   # onebit_adam's arguments in every run
+EVERY_TENSOR = {"min_size": 0, "skip": "none"}  # the policy skips nothing
 CONFIGS = {
     "none": ("none", {}, False),
     "fp16": ("fp16", {}, False),
@@ -117,20 +119,18 @@ CONFIGS = {
     "dgc(0.008)": ("dgc", {"ratio": 0.008, "clip_norm": 1.0, "sparsity_warmup_steps": 60}, True),
     "dgc(0.008)-masking": ("dgc", {"ratio": 0.008, "clip_norm": 1.0, "sparsity_warmup_steps": 60,
                                    "masking": False}, True),
-    "onebit_adam": ("onebit_adam", {"freeze_step": 60, "clip_norm": 1.0}, False),
-    "onebit_adam+fp16start": ("onebit_adam", {"freeze_step": 60, "clip_norm": 1.0,
-                                              "warmup_compression": "fp16"}, False),
+    "onebit_adam": ("onebit_adam", {**ONEBIT}, False),
+    "onebit_adam+fp16start": ("onebit_adam", {**ONEBIT, "warmup_compression": "fp16"}, False),
     # the 1-bit momentum sent every 2nd / 4th compressed step, embeddings too: past one bit's 32x
-    "onebit_adam+emb+every2": ("onebit_adam", {"freeze_step": 60, "clip_norm": 1.0, "exchange_every": 2}, True),
-    "onebit_adam+emb+every4": ("onebit_adam", {"freeze_step": 60, "clip_norm": 1.0, "exchange_every": 4}, True),
+    "onebit_adam+emb+every2": ("onebit_adam", {**ONEBIT, "exchange_every": 2}, True),
+    "onebit_adam+emb+every4": ("onebit_adam", {**ONEBIT, "exchange_every": 4}, True),
     # every tensor 1-bit (biases and norms too, as DeepSpeed's), sent every step / every 2nd step
-    "onebit_adam+all": ("onebit_adam", {"freeze_step": 60, "clip_norm": 1.0, "min_size": 0, "skip": "none"}, True),
-    "onebit_adam+all+every2": ("onebit_adam", {"freeze_step": 60, "clip_norm": 1.0, "exchange_every": 2,
-                                               "min_size": 0, "skip": "none"}, True),
-    "onebit_adam+all+every2+freeze90": ("onebit_adam", {"freeze_step": 90, "clip_norm": 1.0, "exchange_every": 2,
-                                                        "min_size": 0, "skip": "none"}, True),
-    "onebit_adam+all+every2+freeze120": ("onebit_adam", {"freeze_step": 120, "clip_norm": 1.0, "exchange_every": 2,
-                                                         "min_size": 0, "skip": "none"}, True),
+    "onebit_adam+all": ("onebit_adam", {**ONEBIT, **EVERY_TENSOR}, True),
+    "onebit_adam+all+every2": ("onebit_adam", {**ONEBIT, **EVERY_TENSOR, "exchange_every": 2}, True),
+    "onebit_adam+all+every2+freeze90": ("onebit_adam", {**ONEBIT, **EVERY_TENSOR, "exchange_every": 2,
+                                                        "freeze_step": 90}, True),
+    "onebit_adam+all+every2+freeze120": ("onebit_adam", {**ONEBIT, **EVERY_TENSOR, "exchange_every": 2,
+                                                         "freeze_step": 120}, True),
     # DGC's own optimizer without compression (DGC at density 1): what DGC's loss is measured against
     "none(sgd)": ("none", {}, False),
     # measures the link and the compute at build, then is none, fp16 or powersgd(4)+start

@@ -122,6 +122,7 @@ def _validate_run(config) -> None:
 def _validate_compression(config) -> None:
     """compression, compression_args (each compressor checks its own, see check_config)."""
     from tfpar.compression import NAMES, check_config
+    from tfpar.compression.onebit_adam import max_exchange_every
     from tfpar.compression.policy import WARMUP_COMPRESSORS
 
     _require(config.compression in NAMES, "compression",
@@ -144,8 +145,9 @@ def _validate_compression(config) -> None:
              "compresses the uncompressed start: give it --config.compression_args.warmup_steps > 0.")
     _require(ca.exchange_every >= 1, "compression_args.exchange_every",
              f"must be >= 1 (1: exchange the momentum every step), got {ca.exchange_every}.")
-    _require(ca.exchange_every <= 10, "compression_args.exchange_every",
-             f"must be <= 10 = 1 / (1 - beta_1) for onebit_adam's beta_1 = 0.9 (past it the held "
+    most = max_exchange_every()
+    _require(ca.exchange_every <= most, "compression_args.exchange_every",
+             f"must be <= {most} = 1 / (1 - beta_1) for onebit_adam's beta_1 = 0.9 (past it the held "
              f"momentum flips sign every exchange), got {ca.exchange_every}.")
     _require(ca.exchange_every == 1 or config.compression == "onebit_adam", "compression_args.exchange_every",
              f"applies to onebit_adam only (its momentum is what waits between exchanges), not "

@@ -70,9 +70,10 @@ def from_config(name: str, ratio: float = 0.01, rank: int = 4, min_size: int = 1
         if not sep or not pattern:
             raise CompressionError(f"compression_args.overrides item {item!r} is not 'regex=name'.")
         parsed[pattern] = named(chosen.strip())
-    skip_list = tuple(p.strip() for p in skip.split(",") if p.strip()) if skip else None
     if skip.strip().lower() == "none":
         skip_list = ()  # skip nothing: every tensor of at least min_size elements is compressed
+    else:
+        skip_list = tuple(p.strip() for p in skip.split(",") if p.strip()) if skip else None
     if embeddings and skip_list is None:
         skip_list = tuple(p for p in DEFAULT_SKIP if "embed" not in p)
     policy_args = {"skip": skip_list} if skip_list is not None else {}

@@ -49,6 +49,11 @@ from tfpar.compression.policy import Policy, start_compressor
 from tfpar.loop.aggregation import multi_worker
 
 
+def max_exchange_every(beta_1: float = 0.9) -> int:
+    """The largest `exchange_every` whose held momentum stays stable: 1 / (1 - beta_1)."""
+    return int(1 / (1 - beta_1) + 1e-9)
+
+
 class OneBitAdam(Compression):
     """Adam with 1-bit compressed momentum after `freeze_step` (see module docstring)."""
 
@@ -65,11 +70,11 @@ class OneBitAdam(Compression):
                                    f"momentum every K-th step; 1: every step), got {exchange_every}.")
         if not (0 <= beta_1 < 1 and 0 <= beta_2 < 1) or epsilon <= 0 or clip_norm < 0:
             raise CompressionError("onebit_adam needs betas in [0, 1), epsilon > 0, clip_norm >= 0.")
-        if exchange_every * (1 - beta_1) > 1 + 1e-9:
+        if exchange_every > max_exchange_every(beta_1):
             raise CompressionError(
                 f"onebit_adam exchange_every={exchange_every} is more than 1 / (1 - beta_1) = "
                 f"{1 / (1 - beta_1):.4g}: the held momentum would flip sign every exchange (and grow "
-                f"without bound from {2 / (1 - beta_1):.4g}). Use exchange_every <= {int(1 / (1 - beta_1) + 1e-9)}.")
+                f"without bound from {2 / (1 - beta_1):.4g}). Use exchange_every <= {max_exchange_every(beta_1)}.")
         self.freeze_step, self.beta_1, self.beta_2 = freeze_step, beta_1, beta_2
         self.epsilon, self.clip_norm, self.exchange_every = epsilon, clip_norm, exchange_every
         self.warmup_compressor = start_compressor(warmup_compressor, "onebit_adam warmup_compressor")
