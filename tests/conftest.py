@@ -98,6 +98,8 @@ CONVERGENCE_RUNS = {
     "onebit_adam": f"onebit_adam:compression_args.freeze_step=60;compression_args.clip_norm=1.0;{SGD}",
     "onebit_adam_every2": f"onebit_adam:compression_args.freeze_step=60;compression_args.clip_norm=1.0;"
                           f"compression_args.exchange_every=2;compression_args.embeddings=True;{SGD}",
+    "dgc_adam": f"dgc_adam:compression_args.ratio=0.01;compression_args.freeze_step=60;"
+                f"compression_args.clip_norm=1.0;{SGD}",
     "powersgd_schedule": "powersgd:compression_args.rank_schedule=8@0,4@100;compression_args.warmup_steps=20",
     "powersgd_fp16_start": "powersgd:compression_args.rank_schedule=8@0,4@100;compression_args.warmup_steps=20;"
                            "compression_args.warmup_compression=fp16",

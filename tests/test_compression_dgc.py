@@ -297,8 +297,8 @@ def test_powersgd_bad_schedules_and_ranks_are_refused_at_start():
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_new_compressors_run_on_two_worker_processes(tmp_path):
-    """dgc, powersgd (start + rank schedule) and 1-bit Adam (its all-to-all; also exchanging
-    every 2nd step, inside a tf.cond) across two processes: both workers end equal, bytes counted == analytic in every phase, and dgc at
+    """dgc, powersgd (start + rank schedule), 1-bit Adam (its all-to-all; also exchanging
+    every 2nd step, inside a tf.cond) and DGC on Adam (one top-k, all-gathered) across two processes: both workers end equal, bytes counted == analytic in every phase, and dgc at
     density 1 equals one device with SGD + momentum."""
     from procs import launch
     from scripts import fit_model
@@ -306,7 +306,8 @@ def test_new_compressors_run_on_two_worker_processes(tmp_path):
     result = launch(2, "compression_schedules_worker.py", str(tmp_path), timeout=600)
     assert result.returncode == 0, result.stdout[-4000:]
     wires = [l.split()[1:] for l in result.stdout.splitlines() if "[worker:0] WIRE " in l]
-    assert {w[1] for w in wires} >= {"dgc_dense", "dgc", "powersgd", "onebit_adam", "onebit_adam_every2"}, wires
+    runs = ("dgc_dense", "dgc", "powersgd", "onebit_adam", "onebit_adam_every2", "dgc_adam")
+    assert {w[1] for w in wires} >= set(runs), wires
     for _, name, phase, counted, analytic in [l.split("] ")[1].split() for l in result.stdout.splitlines()
                                               if "[worker:0] WIRE " in l]:  # every2: the mean per step
         assert float(counted) == pytest.approx(float(analytic)) and float(analytic) > 0, (name, phase, counted, analytic)
@@ -315,7 +316,7 @@ def test_new_compressors_run_on_two_worker_processes(tmp_path):
         saved = np.load(tmp_path / f"{name}_{worker}.npz")
         return [saved[f"arr_{i}"] for i in range(len(saved.files))]
 
-    for name in ("dgc_dense", "dgc", "powersgd", "onebit_adam", "onebit_adam_every2"):
+    for name in runs:
         for a, b in zip(load(name, 0), load(name, 1)):
             np.testing.assert_array_equal(a, b)
     with tf.distribute.get_strategy().scope():
@@ -331,12 +332,12 @@ def test_new_compressors_run_on_two_worker_processes(tmp_path):
 
 @pytest.mark.slow
 @uses_convergence_runs
-@pytest.mark.parametrize("name", ["dgc", "onebit_adam", "onebit_adam_every2", "powersgd_schedule",
+@pytest.mark.parametrize("name", ["dgc", "onebit_adam", "onebit_adam_every2", "dgc_adam", "powersgd_schedule",
                                   "powersgd_fp16_start"])
 def test_new_compressors_learn_the_reverse_task_through_the_binary(reverse_task_runs, name):
     """reverse_tiny on 2 replicas, 200 steps, through tfpar.train in loop mode: dgc(0.01)
     with a density warm-up, 1-bit Adam after 60 Adam steps (also exchanging every 2nd step,
-    embeddings too) and PowerSGD with a float32 or
+    embeddings too), DGC on Adam (ratio 0.01 after 60 Adam steps) and PowerSGD with a float32 or
     an fp16 start and a rank schedule each reach the exact-sequence accuracy that the
     uncompressed run reaches (>= 0.95, see test_compression). Runs: conftest.CONVERGENCE_RUNS."""
     result = reverse_task_runs[name]
@@ -354,8 +355,9 @@ def test_config_builds_the_new_compressors_and_refuses_what_cannot_work():
     refused(config, "config.compression: dgc keeps the momentum .*--config.optimizer.name=sgd")
     config.optimizer.update(dict(name="sgd", momentum=0.0, clip_norm=0.0))
     validate(config)
-    config.compression = "onebit_adam"
-    validate(config)
+    for name in ("onebit_adam", "dgc_adam"):
+        config.compression = name
+        validate(config)
     config.compression = "zip"
     refused(config, "'zip' is not one of .*dgc, onebit_adam")
     dgc = C.from_config("dgc", ratio=0.001, sparsity_warmup_steps=100, clip_norm=1.0, embeddings=True)

@@ -41,11 +41,11 @@ def base_config() -> ml_collections.ConfigDict:
         partition_shards=0, partition_min_bytes=0))
     c.precision = "float32"             # or mixed_bfloat16 / mixed_float16
     # Gradient compression (fit and loop): none | fp16 | bf16 | int8 | topk | powersgd | sign
-    # | dgc | onebit_adam (loop; dgc/onebit_adam need optimizer sgd, momentum 0, clip_norm 0)
+    # | dgc | onebit_adam | dgc_adam (loop; these three need optimizer sgd, momentum 0, clip_norm 0)
     # | auto (times the link and the compute at start, picks none or fp16: never a lossy one; loop).
     c.compression = "none"
     c.compression_args = ml_collections.ConfigDict(dict(
-        ratio=0.01,             # topk: fraction of entries sent
+        ratio=0.01,             # topk / dgc / dgc_adam: fraction of entries sent
         rank=4,                 # powersgd: rank of the approximation
         min_size=1024,          # tensors with fewer elements go uncompressed
         warmup_steps=0,         # first steps uncompressed (loop mode only)
@@ -54,13 +54,14 @@ def base_config() -> ml_collections.ConfigDict:
         skip="",                # regexes (comma-separated) replacing the default skip list; none: skip nothing
         reset_on_restore=False,  # True: error-feedback state is not checkpointed
         embeddings=False,       # also compress the embeddings
-        momentum=0.9,           # dgc: momentum (moved into the compressor)
-        clip_norm=0.0,          # dgc / onebit_adam: gradient clipping (dgc: local, / sqrt(R))
-        masking=True,           # dgc: momentum-factor masking
+        momentum=ml_collections.config_dict.placeholder(float),  # dgc (unset: 0.9) / dgc_adam (unset: 0):
+                                # the local velocity's momentum (moved into the compressor)
+        clip_norm=0.0,          # dgc / onebit_adam / dgc_adam: gradient clipping (dgc: local, / sqrt(R))
+        masking=True,           # dgc / dgc_adam: momentum-factor masking
         sparsity_warmup_steps=0,  # dgc: density ramp 25% -> ratio over these steps
         stages=4,               # dgc: stages of that ramp
         rank_schedule="",       # powersgd: "8@0,4@300" (steps after warmup_steps)
-        freeze_step=100,        # onebit_adam: Adam warm-up steps before 1-bit momentum
+        freeze_step=100,        # onebit_adam / dgc_adam: Adam warm-up steps before compressed momentum
         exchange_every=1,       # onebit_adam: send the 1-bit momentum every K-th step (K x fewer bytes)
         auto_total_steps=0))    # auto: the run's length (0: train.steps; its powersgd starts after 10%)
     c.seed = 0
@@ -140,7 +141,7 @@ def _validate_compression(config) -> None:
     _require(start in WARMUP_COMPRESSORS, "compression_args.warmup_compression",
              f"{ca.warmup_compression!r} is not one of {', '.join(WARMUP_COMPRESSORS)} (the start "
              "sends every tensor dense).")
-    _require(start == "none" or ca.warmup_steps or config.compression == "onebit_adam",
+    _require(start == "none" or ca.warmup_steps or config.compression in ("onebit_adam", "dgc_adam"),
              "compression_args.warmup_compression",
              "compresses the uncompressed start: give it --config.compression_args.warmup_steps > 0.")
     _require(ca.exchange_every >= 1, "compression_args.exchange_every",
@@ -154,7 +155,7 @@ def _validate_compression(config) -> None:
              f"{config.compression}.")
     own_start = config.compression in ("dgc", "auto") or (config.compression == "none" and not ca.overrides)
     _require(start == "none" or not own_start, "compression_args.warmup_compression",
-             f"applies to fp16/bf16/int8/topk/powersgd/sign/onebit_adam (or overrides), not "
+             f"applies to fp16/bf16/int8/topk/powersgd/sign/onebit_adam/dgc_adam (or overrides), not "
              f"{config.compression} (dgc and auto start their own way; none has no start).")
 
 

@@ -1,5 +1,5 @@
 """One worker of the two-process test of issue 13's compressors: dgc, powersgd with an
-uncompressed start and a rank schedule, and 1-bit Adam (exchanging every step, and every 2nd) under multi_worker_mirrored,
+uncompressed start and a rank schedule, 1-bit Adam (exchanging every step, and every 2nd) and DGC on Adam under multi_worker_mirrored,
 through TensorFlow's own cross-process collectives (all-to-all included).
 
 argv: OUT_DIR. Saves each run's final weights per worker; prints, per phase, the bytes per
@@ -32,6 +32,8 @@ RUNS = {  # name -> (compression, optimizer)
     "onebit_adam": (C.OneBitAdam(freeze_step=3, policy=C.Policy(min_size=0, skip=())), 0.0),
     # the exchange inside a tf.cond, every 2nd compressed step, across processes
     "onebit_adam_every2": (C.OneBitAdam(freeze_step=3, exchange_every=2, policy=C.Policy(min_size=0, skip=())), 0.0),
+    # DGC's top-k on Adam's frozen variance: one top-k over every tensor, all-gathered
+    "dgc_adam": (C.DGCAdam(ratio=0.1, freeze_step=3, clip_norm=1.0, policy=C.Policy(min_size=0, skip=())), 0.0),
 }
 
 
@@ -45,7 +47,7 @@ for name, (compression, momentum) in RUNS.items():
     with strategy.scope():
         model = fit_model.build_model()
         model.set_weights(initial)
-        optimizer = keras.optimizers.SGD(learning_rate=0.01 if name.startswith("onebit_adam") else 0.1,
+        optimizer = keras.optimizers.SGD(learning_rate=0.01 if "adam" in name else 0.1,
                                          momentum=momentum)
     if momentum == 0.0:
         compression.check_optimizer(optimizer)

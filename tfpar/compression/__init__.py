@@ -14,6 +14,7 @@ from tfpar.compression.compressed_aggregator import Compression
 from tfpar.compression.compressors import (BF16, FP16, CompressionError, Compressor, Int8,
                                            NoCompression, Sign, TopK)
 from tfpar.compression.dgc import DGC
+from tfpar.compression.dgc_adam import DGCAdam
 from tfpar.compression.keras_fit import compress_fit
 from tfpar.compression.onebit_adam import OneBitAdam
 from tfpar.compression.policy import DEFAULT_SKIP, Policy
@@ -37,13 +38,13 @@ def get(name: str, **args) -> Compressor:
         raise CompressionError(f"Compressor {key!r} does not take {sorted(args)}: {e}.") from None
 
 
-NAMES = (*COMPRESSORS, "onebit_adam", "auto")  # what --config.compression accepts
+NAMES = (*COMPRESSORS, "onebit_adam", "dgc_adam", "auto")  # what --config.compression accepts
 
 
 def from_config(name: str, ratio: float = 0.01, rank: int = 4, min_size: int = 1024,
                 warmup_steps: int = 0, warmup_compression: str = "none", overrides: str = "", skip: str = "",
                 reset_on_restore: bool = False, embeddings: bool = False,
-                momentum: float = 0.9, clip_norm: float = 0.0, masking: bool = True,
+                momentum: float | None = None, clip_norm: float = 0.0, masking: bool = True,
                 sparsity_warmup_steps: int = 0, stages: int = 4, rank_schedule: str = "",
                 freeze_step: int = 100, exchange_every: int = 1, auto_total_steps: int = 600,
                 auto_tokens: int = 1024) -> Compression | None:
@@ -51,8 +52,9 @@ def from_config(name: str, ratio: float = 0.01, rank: int = 4, min_size: int = 1
     (None for 'none' with no overrides). `overrides`: "regex=name,regex=name"; `skip`: a
     comma-separated list of regexes that replaces the default skip list ("none": skip
     nothing, biases and norms included); `embeddings`: also
-    compress the embeddings with NAME. dgc: ratio, momentum, clip_norm, masking,
-    sparsity_warmup_steps, stages; powersgd: rank or rank_schedule ("8@0,4@300");
+    compress the embeddings with NAME. dgc: ratio, momentum (None: 0.9), clip_norm, masking,
+    sparsity_warmup_steps, stages; dgc_adam: ratio, freeze_step, momentum (None: 0),
+    clip_norm, masking; powersgd: rank or rank_schedule ("8@0,4@300");
     warmup_steps: the uncompressed start (sent in float32, or in `warmup_compression` fp16 or
     bf16: also onebit_adam's Adam warm-up); onebit_adam: freeze_step, clip_norm,
     exchange_every; auto: the run's steps and one replica's tokens per step (the binary
@@ -60,7 +62,7 @@ def from_config(name: str, ratio: float = 0.01, rank: int = 4, min_size: int = 1
     def named(key: str) -> Compressor:
         args = {"topk": {"ratio": ratio},
                 "powersgd": {"rank": rank, "rank_schedule": rank_schedule or None},
-                "dgc": {"ratio": ratio, "momentum": momentum, "clip_norm": clip_norm,
+                "dgc": {"ratio": ratio, "momentum": 0.9 if momentum is None else momentum, "clip_norm": clip_norm,
                         "masking": masking, "warmup_steps": sparsity_warmup_steps, "stages": stages}}
         return get(key, **args.get(key.lower(), {}))
 
@@ -86,6 +88,13 @@ def from_config(name: str, ratio: float = 0.01, rank: int = 4, min_size: int = 1
         return OneBitAdam(freeze_step=freeze_step, clip_norm=clip_norm, warmup_compressor=warmup_compression,
                           exchange_every=exchange_every,
                           policy=Policy(min_size=min_size, **policy_args))
+    if name.lower() == "dgc_adam":
+        if parsed:
+            raise CompressionError("dgc_adam sparsifies every large tensor's Adam step; "
+                                   "compression_args.overrides do not apply (use skip/min_size).")
+        return DGCAdam(ratio=ratio, freeze_step=freeze_step, momentum=momentum or 0.0, masking=masking,
+                       clip_norm=clip_norm, warmup_compressor=warmup_compression,
+                       policy=Policy(min_size=min_size, **policy_args))
     compressor = named(name)
     if compressor.name == "none" and not parsed:
         return None
@@ -95,9 +104,9 @@ def from_config(name: str, ratio: float = 0.01, rank: int = 4, min_size: int = 1
 
 
 def check_config(config) -> str | None:
-    """What --config.compression needs of --config.optimizer (None: fine). dgc and
-    onebit_adam keep momentum (and Adam's moments) themselves: plain SGD, no clipping."""
-    if config.compression not in ("dgc", "onebit_adam"):
+    """What --config.compression needs of --config.optimizer (None: fine). dgc, onebit_adam
+    and dgc_adam keep momentum (and Adam's moments) themselves: plain SGD, no clipping."""
+    if config.compression not in ("dgc", "onebit_adam", "dgc_adam"):
         return None
     o = config.optimizer
     if o.name != "sgd" or o.momentum or o.clip_norm:
@@ -109,5 +118,5 @@ def check_config(config) -> str | None:
 
 
 __all__ = ["Auto", "BF16", "COMPRESSORS", "Compression", "CompressionError", "Compressor", "DGC", "FP16",
-           "Int8", "NAMES", "NoCompression", "OneBitAdam", "Policy", "PowerSGD", "Sign", "TopK", "check_config", "compress_fit", "from_config",
+           "DGCAdam", "Int8", "NAMES", "NoCompression", "OneBitAdam", "Policy", "PowerSGD", "Sign", "TopK", "check_config", "compress_fit", "from_config",
            "get"]

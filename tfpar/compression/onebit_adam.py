@@ -57,19 +57,21 @@ def max_exchange_every(beta_1: float = 0.9) -> int:
 class OneBitAdam(Compression):
     """Adam with 1-bit compressed momentum after `freeze_step` (see module docstring)."""
 
+    kind = "onebit_adam"  # its name in configs and messages
+
     def __init__(self, freeze_step: int = 100, beta_1: float = 0.9, beta_2: float = 0.999,
                  epsilon: float = 1e-7, clip_norm: float = 0.0, policy: Policy | None = None,
                  warmup_compressor: str = "none", exchange_every: int = 1):
-        tf.Module.__init__(self, name="onebit_adam")  # a Compression by kind (Trainer's
+        tf.Module.__init__(self, name=self.kind)  # a Compression by kind (Trainer's
         # compression= takes it), with its own state and step
         if freeze_step < 1:
-            raise CompressionError(f"onebit_adam freeze_step must be >= 1 (Adam warm-up steps before "
+            raise CompressionError(f"{self.kind} freeze_step must be >= 1 (Adam warm-up steps before "
                                    f"the variance is frozen), got {freeze_step}.")
         if exchange_every < 1:
             raise CompressionError(f"onebit_adam exchange_every must be >= 1 (send the compressed "
                                    f"momentum every K-th step; 1: every step), got {exchange_every}.")
         if not (0 <= beta_1 < 1 and 0 <= beta_2 < 1) or epsilon <= 0 or clip_norm < 0:
-            raise CompressionError("onebit_adam needs betas in [0, 1), epsilon > 0, clip_norm >= 0.")
+            raise CompressionError(f"{self.kind} needs betas in [0, 1), epsilon > 0, clip_norm >= 0.")
         if exchange_every > max_exchange_every(beta_1):
             raise CompressionError(
                 f"onebit_adam exchange_every={exchange_every} is more than 1 / (1 - beta_1) = "
@@ -77,7 +79,7 @@ class OneBitAdam(Compression):
                 f"without bound from {2 / (1 - beta_1):.4g}). Use exchange_every <= {max_exchange_every(beta_1)}.")
         self.freeze_step, self.beta_1, self.beta_2 = freeze_step, beta_1, beta_2
         self.epsilon, self.clip_norm, self.exchange_every = epsilon, clip_norm, exchange_every
-        self.warmup_compressor = start_compressor(warmup_compressor, "onebit_adam warmup_compressor")
+        self.warmup_compressor = start_compressor(warmup_compressor, f"{self.kind} warmup_compressor")
         self.policy = policy or Policy()
         self.compressed: list[bool] = []
         self.compressor, self.reset_on_restore, self.state = Sign(), False, {}
@@ -91,17 +93,7 @@ class OneBitAdam(Compression):
     # -- contract --------------------------------------------------------------------------
 
     def build(self, variables: Sequence[tf.Variable]) -> None:
-        strategy = tf.distribute.get_strategy()
-        if self.warmup_compressor is not None:
-            _check_dtype_support(self.warmup_compressor, strategy)  # bf16: not on GPUs
-        self.replicas = strategy.num_replicas_in_sync
-        paths = [getattr(v, "path", v.name) for v in variables]
-        self.compressed = [self.policy.choose(p, tuple(v.shape), Sign()) is not None
-                           for p, v in zip(paths, variables)]
-        self.m = [_per_replica(tf.zeros(v.shape), "m") for v in variables]
-        self.v = [_per_replica(tf.zeros(v.shape), "v") for v in variables]
-        self.iterations = _per_replica(tf.constant(0.0), "iterations")
-        size = sum(int(v.shape.num_elements()) for v, c in zip(variables, self.compressed) if c)
+        size = self._build_moments(variables)
         self.padded = two_phase.padded_size(size, self.replicas) if size else 0
         # The error buffers are padded for R replicas, so they are checkpointed under a name
         # with R in it: under another replica count they start at zero (DeepSpeed resets them
@@ -114,6 +106,21 @@ class OneBitAdam(Compression):
         self._errors_name = f"errors_for_{self.replicas}_replicas"
         setattr(self, self._errors_name, errors)
         self.error_replicas = _per_replica(tf.constant(float(self.replicas)), "error_replicas")
+
+    def _build_moments(self, variables: Sequence[tf.Variable]) -> int:
+        """Adam's m, v and step for every variable, and which ones the policy compresses;
+        returns how many entries those have."""
+        strategy = tf.distribute.get_strategy()
+        if self.warmup_compressor is not None:
+            _check_dtype_support(self.warmup_compressor, strategy)  # bf16: not on GPUs
+        self.replicas = strategy.num_replicas_in_sync
+        paths = [getattr(v, "path", v.name) for v in variables]
+        self.compressed = [self.policy.choose(p, tuple(v.shape), Sign()) is not None
+                           for p, v in zip(paths, variables)]
+        self.m = [_per_replica(tf.zeros(v.shape), "m") for v in variables]
+        self.v = [_per_replica(tf.zeros(v.shape), "v") for v in variables]
+        self.iterations = _per_replica(tf.constant(0.0), "iterations")
+        return sum(int(v.shape.num_elements()) for v, c in zip(variables, self.compressed) if c)
 
     @property
     def worker_error(self) -> tf.Variable:
@@ -148,13 +155,13 @@ class OneBitAdam(Compression):
         inner = getattr(optimizer, "inner_optimizer", optimizer)
         if not isinstance(inner, _sgd_class()) or inner.momentum or inner.nesterov:
             raise CompressionError(
-                f"onebit_adam computes Adam's step itself: train with keras.optimizers.SGD("
+                f"{self.kind} computes Adam's step itself: train with keras.optimizers.SGD("
                 f"learning_rate, momentum=0.0), not {type(inner).__name__}; its learning rate "
                 "(and weight_decay) are Adam's (config: --config.optimizer.name=sgd "
                 "--config.optimizer.momentum=0).")
         if inner.clipnorm or inner.clipvalue or inner.global_clipnorm:
-            raise CompressionError("onebit_adam clips the gradients itself: leave the optimizer's "
-                                   "clipping off and pass OneBitAdam(clip_norm=...) (config: "
+            raise CompressionError(f"{self.kind} clips the gradients itself: leave the optimizer's "
+                                   f"clipping off and pass {type(self).__name__}(clip_norm=...) (config: "
                                    "--config.optimizer.clip_norm=0 --config.compression_args.clip_norm=1.0).")
 
     # -- bytes -----------------------------------------------------------------------------
@@ -166,15 +173,19 @@ class OneBitAdam(Compression):
 
     def payload_bytes(self, variables: Sequence[tf.Variable], phase: str = "compressed") -> dict:
         """Analytic bytes one replica hands to collectives per step, by collective."""
-        start = self.warmup_compressor if phase == "warmup" else None
-        dense = sum(start.payload_bytes(int(v.shape.num_elements())) if start else 4 * int(v.shape.num_elements())
-                    for v, c in zip(variables, self.compressed) if phase == "warmup" or not c)
-        report = {"all_reduce": dense}
+        report = {"all_reduce": self._all_reduced_bytes(variables, phase)}
         if phase != "warmup" and self.padded:  # the mean per step: one exchange in K steps
             every = self.exchange_every
             report.update({kind: b / every if every > 1 else b
                            for kind, b in two_phase.payload_bytes(self.padded, self.replicas).items()})
         return report
+
+    def _all_reduced_bytes(self, variables: Sequence[tf.Variable], phase: str) -> int:
+        """Bytes of the dense all-reduce: every tensor in the warm-up (in float32 or its start
+        compressor), those the policy leaves out after it."""
+        start = self.warmup_compressor if phase == "warmup" else None
+        return sum(start.payload_bytes(int(v.shape.num_elements())) if start else 4 * int(v.shape.num_elements())
+                   for v, c in zip(variables, self.compressed) if phase == "warmup" or not c)
 
     # -- the step (replica context) --------------------------------------------------------
 
@@ -204,7 +215,6 @@ class OneBitAdam(Compression):
             self.v[i].assign(v)
             result[i] = tf.sqrt(1 - tf.pow(self.beta_2, t)) / b1 * m / (tf.sqrt(v) + self.epsilon)
         if not warm and self.padded:
-            self._say_if_errors_were_reset(replicas)
             self._compressed_step(context, grads, replicas, communicate, t, result)
         return result
 
@@ -241,6 +251,7 @@ class OneBitAdam(Compression):
         self.error_replicas.assign(float(replicas))
 
     def _compressed_step(self, context, grads, replicas, communicate, t, result) -> None:
+        self._say_if_errors_were_reset(replicas)
         index = [i for i, c in enumerate(self.compressed) if c]
         local = [grads[i] * replicas for i in index]  # this replica's estimate of the sum
         if self.clip_norm:
