@@ -45,8 +45,9 @@ Links:
 Issue 13's configurations: dgc(0.01) and dgc(0.001) (embeddings too, density warm-up over
 60 steps, SGD at 0.1 with DGC's own momentum 0.9 and clipping), powersgd(4)+start (60
 uncompressed steps, rank 8 then 4 from step 160, embeddings too), onebit_adam (freeze at
-60), none(sgd) (DGC's optimizer without compression: DGC at density 1) and auto (decides
-at build; its line is in the JSON as auto_decision).
+60), none(sgd) (DGC's optimizer without compression: DGC at density 1), auto (decides
+at build; its line is in the JSON as auto_decision) and dgc_adam(RATIO)+all+freezeF+momentumM
+(DGC's top-k on Adam's frozen variance, every tensor; docs/compression.md, "DGC on Adam").
 
 Configurations: none, fp16, bf16, int8, topk(0.01), powersgd(4), sign with tfpar's default
 policy (biases, norms, embeddings and tensors < 1024 elements stay float32), plus
@@ -131,6 +132,14 @@ CONFIGS = {
                                                         "freeze_step": 90}, True),
     "onebit_adam+all+every2+freeze120": ("onebit_adam", {**ONEBIT, **EVERY_TENSOR, "exchange_every": 2,
                                                          "freeze_step": 120}, True),
+    # DGC's top-k on Adam's frozen variance (tfpar.compression.DGCAdam), every tensor, 50x:
+    # without a local velocity (momentum 0, the default), and with DGC's momentum correction
+    # and masking (momentum 0.9), at three freeze steps and three densities
+    **{f"dgc_adam({ratio:g})+all+freeze{freeze}+momentum{momentum:g}":
+       ("dgc_adam", {**ONEBIT, **EVERY_TENSOR, "ratio": ratio, "freeze_step": freeze, "momentum": momentum}, True)
+       for ratio, freeze, momentum in [(0.01, 60, 0.0), (0.01, 120, 0.0), (0.01, 200, 0.0), (0.01, 120, 0.5),
+                                       (0.01, 60, 0.9), (0.01, 120, 0.9), (0.01, 200, 0.9), (0.0125, 120, 0.9),
+                                       (0.025, 120, 0.9), (0.025, 200, 0.9)]},
     # DGC's own optimizer without compression (DGC at density 1): what DGC's loss is measured against
     "none(sgd)": ("none", {}, False),
     # measures the link and the compute at build, then is none, fp16 or powersgd(4)+start
@@ -139,12 +148,15 @@ CONFIGS = {
 # what these ask of the optimizer: momentum and Adam's moments live in the compressor
 OPTIMIZER_FOR = {"dgc": dict(name="sgd", momentum=0.0, clip_norm=0.0, learning_rate=0.1),
                  "onebit_adam": dict(name="sgd", momentum=0.0, clip_norm=0.0),
+                 "dgc_adam": dict(name="sgd", momentum=0.0, clip_norm=0.0),
                  "none(sgd)": dict(name="sgd", momentum=0.9, clip_norm=1.0, learning_rate=0.1)}
 GOAL_CONFIGS = ("topk(0.01)", "topk(0.01)+emb", "powersgd(4)", "powersgd(4)+emb",
                 "dgc(0.01)", "dgc(0.001)", "powersgd(4)+start", "onebit_adam",
                 "powersgd(4)+start120+16-8-4", "powersgd(4)+fp16start120+16-8-4",
-                "onebit_adam+emb+every2", "onebit_adam+emb+every4", "onebit_adam+all+every2")
+                "onebit_adam+emb+every2", "onebit_adam+emb+every4", "onebit_adam+all+every2",
+                "dgc_adam(0.01)+all+freeze60+momentum0", "dgc_adam(0.01)+all+freeze120+momentum0")
 GOAL_RATIO, GOAL_SPEEDUP, GOAL_GAP = 40.0, 3.0, 0.02
+GOAL_GAP_DGC = 0.01  # DGC's top-k (dgc, dgc_adam) within 1% of none
 GOAL_AUTO_SLOWER = 0.05  # auto at most 5% slower to quality than none (issue 13, at 1 Gbit/s)
 EMBED = r"embed"
 
@@ -193,7 +205,7 @@ def compression_for(name: str, steps: int = 600, tokens: int = 1024):
     kind, kwargs, embed = CONFIGS[name]
     if kind == "auto":
         return C.Auto(total_steps=steps, tokens=tokens)
-    if kind in ("dgc", "onebit_adam") or "warmup_steps" in kwargs or "rank_schedule" in kwargs:
+    if kind in ("dgc", "onebit_adam", "dgc_adam") or "warmup_steps" in kwargs or "rank_schedule" in kwargs:
         return C.from_config(kind, embeddings=embed, **kwargs)
     compressor = C.get(kind, **kwargs)
     return C.Compression(compressor, C.Policy(overrides={EMBED: compressor} if embed else {}))
@@ -611,8 +623,10 @@ def goals(rows: list[dict], equal_steps=True, bytes_only=()) -> dict:
             else row["time_to_quality_vs_none"] <= 1 / 3,
         }
         if equal_steps if isinstance(equal_steps, bool) else row["run"] in equal_steps:
-            out[f"{row['run']}/{row['config']}"][f"val_loss_within_{GOAL_GAP:.0%}"] = \
-                abs(row.get("gap_vs_none", 1)) <= GOAL_GAP
+            allowed = GOAL_GAP_DGC if row["config"].startswith("dgc") else GOAL_GAP
+            # one-sided: ending below none's loss is not a miss
+            out[f"{row['run']}/{row['config']}"][f"val_loss_within_{allowed:.0%}"] = \
+                row.get("gap_vs_none", 1) <= allowed
     by_run = {}
     for row in rows:  # 4 workers' link bytes within 10% of 2 workers'
         by_run.setdefault((row["run"].rsplit("_w", 1)[0], row["config"]), {})[row["run"]] = row["link_bytes_per_worker"]
