@@ -84,7 +84,8 @@ def test_what_is_sent_plus_what_is_kept_is_the_step_and_sent_entries_are_masked(
     are the largest in Adam's units; with a velocity (DGC's momentum correction) it started
     from the warm-up's momentum and is zeroed where sent (masking); the weights move by
     exactly the mean of what was sent. Checkpointed accumulations restore as
-    their mean over replicas. Bytes counted from the traced step == analytic == 8 k."""
+    their mean over replicas, under 2 replicas and under 4. Bytes counted from the traced
+    step == analytic == 8 k."""
     replicas, ratio = 2, 0.05
     dgc = C.DGCAdam(ratio=ratio, freeze_step=2, momentum=momentum, policy=EVERY_TENSOR)
     schedule = keras.optimizers.schedules.PiecewiseConstantDecay([1], [0.0, 1.0])
@@ -116,6 +117,14 @@ def test_what_is_sent_plus_what_is_kept_is_the_step_and_sent_entries_are_masked(
     tf.train.Checkpoint(compression=dgc).restore(path).assert_consumed()
     for value in dgc.accumulated.values:
         assert_close(value.numpy(), (kept[0] + kept[1]) / 2)
+    # under another replica count too: one flat accumulation, whatever R (no padding)
+    other = C.DGCAdam(ratio=ratio, freeze_step=2, momentum=momentum, policy=EVERY_TENSOR)
+    train(mirrored(4), weights, lambda: keras.optimizers.SGD(0.0), other, steps=0)
+    tf.train.Checkpoint(compression=other).restore(path).assert_consumed()
+    assert len(other.accumulated.values) == 4
+    for value in other.accumulated.values:
+        assert_close(value.numpy(), (kept[0] + kept[1]) / 2)
+    np.testing.assert_array_equal(other.v[0].values[3].numpy(), dgc.v[0].values[0].numpy())
 
     step = trainer.traced_step(dataset, "compressed")
     analytic = dgc.payload_bytes(trainer.model.trainable_variables)
