@@ -358,6 +358,11 @@ def test_config_builds_the_new_compressors_and_refuses_what_cannot_work():
     for name in ("onebit_adam", "dgc_adam"):
         config.compression = name
         validate(config)
+        config.compression_args.warmup_steps = 50  # their Adam warm-up is the start
+        refused(config, f"warmup_steps: does not apply to {name}: .*--config.compression_args.freeze_step")
+        config.compression_args.warmup_steps, config.compression_args.sparsity_warmup_steps = 0, 50
+        refused(config, f"sparsity_warmup_steps: is dgc's density ramp; {name} has none")
+        config.compression_args.sparsity_warmup_steps = 0
     config.compression = "zip"
     refused(config, "'zip' is not one of .*dgc, onebit_adam")
     dgc = C.from_config("dgc", ratio=0.001, sparsity_warmup_steps=100, clip_norm=1.0, embeddings=True)

@@ -34,7 +34,9 @@ def adam_frozen_at(weights, freeze_step, steps, momentum, learning_rate=0.01):
             m[i] = beta * m[i] + (1 - beta) * g.numpy()
             if t <= freeze_step:
                 v[i] = BETA_2 * v[i] + (1 - BETA_2) * np.square(g.numpy())
-            factor = math.sqrt(1 - BETA_2 ** min(t, freeze_step)) / (1 - BETA_1 ** t)
+            factor = math.sqrt(1 - BETA_2 ** min(t, freeze_step))
+            if t <= freeze_step or momentum:  # no momentum, no momentum bias to correct
+                factor /= 1 - BETA_1 ** t
             w.assign_sub(learning_rate * factor * m[i] / (np.sqrt(v[i]) + EPSILON))
     return model.get_weights()
 
@@ -43,14 +45,14 @@ def adam_frozen_at(weights, freeze_step, steps, momentum, learning_rate=0.01):
 def test_at_ratio_one_it_is_adam_with_the_variance_frozen(weights, momentum):
     """Nothing left behind: with momentum beta_1 the local velocities average to Adam's m and
     the step is Adam's with v frozen at freeze_step; with momentum 0 it is Adam's step of
-    the gradient itself (RMSprop on the frozen v), on 2 replicas."""
+    the gradient itself (RMSprop on the frozen v, no momentum bias factor), on 2 replicas."""
     reference = adam_frozen_at(weights, freeze_step=3, steps=6, momentum=momentum)
     dgc = C.DGCAdam(ratio=1.0, freeze_step=3, momentum=momentum, policy=EVERY_TENSOR)
     got, _, _ = train(mirrored(2), weights, lambda: keras.optimizers.SGD(0.01), dgc, steps=6)
     adam, _, _ = train(mirrored(2), weights, lambda: keras.optimizers.Adam(0.01), steps=6)
-    # 1.0e-5 with momentum, 7.0e-5 without: float32 round-off through 1 / sqrt(v) of
-    # near-zero gradients; unfrozen Adam ends 0.29 and 1.79 away
-    assert gap(got, reference) < 2e-4 and gap(got, adam) > 0.1, (gap(got, reference), gap(got, adam))
+    # 1.0e-5 with momentum, 1.6e-5 without: float32 round-off through 1 / sqrt(v) of
+    # near-zero gradients; unfrozen Adam ends 0.29 and 0.46 away
+    assert gap(got, reference) < 5e-5 and gap(got, adam) > 0.1, (gap(got, reference), gap(got, adam))
 
 
 def assert_close(actual, expected, tolerance=1e-4):
@@ -94,13 +96,13 @@ def test_what_is_sent_plus_what_is_kept_is_the_step_and_sent_entries_are_masked(
     total = lambda s: g[s][0] + g[s][1]  # noqa: E731
     m2 = (1 - BETA_1) * (BETA_1 * total(0) + total(1))
     v2 = (1 - BETA_2) * (BETA_2 * np.square(total(0)) + np.square(total(1)))
-    scale = math.sqrt(1 - BETA_2 ** 2) / (1 - BETA_1 ** 3) / (np.sqrt(v2) + EPSILON)
+    scale = math.sqrt(1 - BETA_2 ** 2) / (1 - BETA_1 ** 3 if momentum else 1) / (np.sqrt(v2) + EPSILON)
     k = math.ceil(ratio * dgc.size)
     sent, kept = [], []
     for r in range(replicas):
         velocity = momentum * m2 + (1 - momentum) * replicas * g[2][r]
         accumulated = scale * velocity
-        picked = np.argsort(-np.abs(accumulated))[:k]
+        picked = np.argsort(-np.abs(accumulated), kind="stable")[:k]
         sent.append(np.zeros_like(accumulated))
         sent[r][picked] = accumulated[picked]
         kept.append(accumulated - sent[r])

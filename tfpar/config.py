@@ -138,12 +138,18 @@ def _validate_compression(config) -> None:
     _require(not (ca.warmup_steps and config.mode == "fit"), "compression_args.warmup_steps",
              "warm-up steps need --config.mode=loop (Keras fit traces one train step).")
     start = str(ca.warmup_compression).lower()
+    adam_start = config.compression in ("onebit_adam", "dgc_adam")  # their Adam warm-up is the start
     _require(start in WARMUP_COMPRESSORS, "compression_args.warmup_compression",
              f"{ca.warmup_compression!r} is not one of {', '.join(WARMUP_COMPRESSORS)} (the start "
              "sends every tensor dense).")
-    _require(start == "none" or ca.warmup_steps or config.compression in ("onebit_adam", "dgc_adam"),
+    _require(start == "none" or ca.warmup_steps or adam_start,
              "compression_args.warmup_compression",
              "compresses the uncompressed start: give it --config.compression_args.warmup_steps > 0.")
+    _require(not (ca.warmup_steps and adam_start), "compression_args.warmup_steps",
+             f"does not apply to {config.compression}: its Adam warm-up is the uncompressed start; "
+             "set its length with --config.compression_args.freeze_step.")
+    _require(not (ca.sparsity_warmup_steps and config.compression != "dgc"), "compression_args.sparsity_warmup_steps",
+             f"is dgc's density ramp; {config.compression} has none (dgc_adam sends `ratio` from freeze_step on).")
     _require(ca.exchange_every >= 1, "compression_args.exchange_every",
              f"must be >= 1 (1: exchange the momentum every step), got {ca.exchange_every}.")
     most = max_exchange_every()

@@ -12,8 +12,8 @@ replica r keeps
     send the k = ratio * n largest |a_r|             one top-k over every compressed entry
     a_r[sent] <- 0 (and u_r[sent] <- 0 if mu > 0)     error feedback (+ momentum-factor masking)
 
-and the optimizer applies the mean of what was sent (c_t: Adam's bias factor, with the
-variance's frozen at `freeze_step`). Local clipping (`clip_norm`) bounds R g_r by its global
+and the optimizer applies the mean of what was sent (c_t: Adam's bias factors, the
+variance's frozen at `freeze_step`; the momentum's only with a velocity). Local clipping (`clip_norm`) bounds R g_r by its global
 norm. The top-k runs in units of Adam's step, not of the gradient: an entry with a small
 variance moves the weight more per unit of gradient, and is picked by how far it would move it.
 
@@ -96,7 +96,9 @@ class DGCAdam(OneBitAdam):
             first = tf.cast(tf.equal(t, self.freeze_step + 1.0), tf.float32)
             previous = first * flat([self.m[i] for i in index]) + (1.0 - first) * self.velocity
             velocity = self.momentum * previous + (1 - self.momentum) * velocity
-        factor = math.sqrt(1 - self.beta_2 ** self.freeze_step) / (1 - tf.pow(self.beta_1, t))
+        factor = math.sqrt(1 - self.beta_2 ** self.freeze_step)  # the variance's, frozen
+        if self.momentum:  # the velocity carries Adam's momentum, and its bias
+            factor = factor / (1 - tf.pow(self.beta_1, t))
         accumulated = self.accumulated + factor * velocity / (tf.sqrt(flat([self.v[i] for i in index])) + self.epsilon)
         mean, picked = self._sparse_mean(context, accumulated, replicas, communicate)
         zeros = tf.zeros([self.k])
