@@ -113,13 +113,13 @@ def _sgd_class():
     return keras.optimizers.SGD
 
 
-def _top_k_words(x: tf.Tensor, k: int) -> tuple[tf.Tensor, tf.Tensor]:
+def top_k_words(x: tf.Tensor, k: int) -> tuple[tf.Tensor, tf.Tensor]:
     """(indices int32 [k], words int32 [2k]) of the k largest |x|."""
     _, indices = tf.math.top_k(tf.abs(x), k=k, sorted=False)
     return indices, tf.concat([indices, packing.float_words(tf.gather(x, indices))], 0)
 
 
-def _decode_sum(words: tf.Tensor, size: int, k: int) -> tf.Tensor:
+def decode_sum(words: tf.Tensor, size: int, k: int) -> tf.Tensor:
     """int32 [R, 2k] -> float32 [size], the sum of every replica's sparse values."""
     indices = tf.reshape(words[:, :k], [-1, 1])
     values = tf.reshape(packing.word_floats(words[:, k:]), [-1])
@@ -166,7 +166,7 @@ def _sparse_step(dgc, slots, sparse, density, all_gather, result) -> None:
     words, picked = [], []
     for i, accumulated in sparse:
         flat = tf.reshape(accumulated, [-1])
-        indices, w = _top_k_words(flat, DGC.k(int(flat.shape[0]), density))
+        indices, w = top_k_words(flat, DGC.k(int(flat.shape[0]), density))
         words.append(w)
         picked.append(indices[:, None])
     sizes = [int(w.shape[0]) for w in words]
@@ -179,4 +179,4 @@ def _sparse_step(dgc, slots, sparse, density, all_gather, result) -> None:
         if dgc.masking:
             velocity = tf.reshape(slots[i]["velocity"], [-1])
             slots[i]["velocity"].assign(tf.reshape(tf.tensor_scatter_nd_update(velocity, idx, zeros), shape))
-        result[i] = tf.reshape(_decode_sum(part, int(flat.shape[0]), size // 2), shape)
+        result[i] = tf.reshape(decode_sum(part, int(flat.shape[0]), size // 2), shape)

@@ -38,9 +38,10 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from tfpar.compression import gather, packing
+from tfpar.compression import gather
 from tfpar.compression.compressed_aggregator import SIZE_EXCHANGE_BYTES, _per_replica
 from tfpar.compression.compressors import CompressionError
+from tfpar.compression.dgc import DGC, decode_sum, top_k_words
 from tfpar.compression.onebit_adam import OneBitAdam
 from tfpar.compression.policy import Policy
 
@@ -70,11 +71,15 @@ class DGCAdam(OneBitAdam):
 
     def build(self, variables: Sequence[tf.Variable]) -> None:
         self.size = self._build_moments(variables)
-        self.padded = self.size  # nothing to pad: one top-k over the concatenation
-        self.k = max(1, min(self.size, int(math.ceil(self.ratio * self.size)))) if self.size else 0
+        self.k = DGC.k(self.size, self.ratio) if self.size else 0
         self.accumulated = _per_replica(tf.zeros([self.size]), "accumulated")
         if self.momentum:
             self.velocity = _per_replica(tf.zeros([self.size]), "velocity")
+
+    @property
+    def padded(self) -> int:
+        """Nothing to pad: one top-k over the concatenation of `size` entries."""
+        return self.size
 
     def payload_bytes(self, variables: Sequence[tf.Variable], phase: str = "compressed") -> dict:
         """Analytic bytes one replica hands to collectives per step, by collective."""
@@ -86,20 +91,17 @@ class DGCAdam(OneBitAdam):
         return report
 
     def _compressed_step(self, context, grads, replicas, communicate, t, result) -> None:
-        index = [i for i, c in enumerate(self.compressed) if c]
-        local = [grads[i] * replicas for i in index]  # this replica's estimate of the sum
-        if self.clip_norm:
-            local, _ = tf.clip_by_global_norm(local, self.clip_norm)
-        flat = lambda parts: tf.concat([tf.reshape(p, [-1]) for p in parts], 0)  # noqa: E731
-        velocity = flat(local)
+        index, local = self._local_estimates(grads, replicas)
+        velocity = self._flatten(local)
         if self.momentum:  # the first compressed step starts from the warm-up's agreed momentum
             first = tf.cast(tf.equal(t, self.freeze_step + 1.0), tf.float32)
-            previous = first * flat([self.m[i] for i in index]) + (1.0 - first) * self.velocity
+            previous = first * self._flatten([self.m[i] for i in index]) + (1.0 - first) * self.velocity
             velocity = self.momentum * previous + (1 - self.momentum) * velocity
         factor = math.sqrt(1 - self.beta_2 ** self.freeze_step)  # the variance's, frozen
         if self.momentum:  # the velocity carries Adam's momentum, and its bias
             factor = factor / (1 - tf.pow(self.beta_1, t))
-        accumulated = self.accumulated + factor * velocity / (tf.sqrt(flat([self.v[i] for i in index])) + self.epsilon)
+        accumulated = self.accumulated + factor * velocity / (tf.sqrt(self._flatten([self.v[i] for i in index]))
+                                                              + self.epsilon)
         mean, picked = self._sparse_mean(context, accumulated, replicas, communicate)
         zeros = tf.zeros([self.k])
         self.accumulated.assign(tf.tensor_scatter_nd_update(accumulated, picked[:, None], zeros))
@@ -107,9 +109,8 @@ class DGCAdam(OneBitAdam):
             masked = self.masking and self.k < self.size
             self.velocity.assign(tf.tensor_scatter_nd_update(velocity, picked[:, None], zeros)
                                  if masked else velocity)
-        sizes = [int(self.m[i].shape.num_elements()) for i in index]
-        for i, part in zip(index, tf.split(mean, sizes)):
-            result[i] = tf.reshape(part, self.m[i].shape)
+        for i, part in zip(index, self._unflatten(mean, index)):
+            result[i] = part
 
     def _sparse_mean(self, context, accumulated, replicas, communicate) -> tuple[tf.Tensor, tf.Tensor]:
         """(the mean over replicas of each one's k largest |accumulated| entries, dense
@@ -117,9 +118,6 @@ class DGCAdam(OneBitAdam):
         if self.k >= self.size:  # ratio 1: every entry, all-reduced
             mean = context.all_reduce(tf.distribute.ReduceOp.MEAN, accumulated) if communicate else accumulated
             return mean, tf.range(self.size)
-        _, picked = tf.math.top_k(tf.abs(accumulated), k=self.k, sorted=False)
-        words = tf.concat([picked, packing.float_words(tf.gather(accumulated, picked))], 0)[None]
-        everyone = gather.all_gather_words(context, words) if communicate else words  # [R, 2k]
-        indices = tf.reshape(everyone[:, :self.k], [-1, 1])
-        values = tf.reshape(packing.word_floats(everyone[:, self.k:]), [-1])
-        return tf.tensor_scatter_nd_add(tf.zeros([self.size]), indices, values) / replicas, picked
+        picked, words = top_k_words(accumulated, self.k)
+        everyone = gather.all_gather_words(context, words[None]) if communicate else words[None]  # [R, 2k]
+        return decode_sum(everyone, self.size, self.k) / replicas, picked

@@ -250,16 +250,30 @@ class OneBitAdam(Compression):
         tf.cond(tf.logical_and(first, stale), say, lambda: tf.constant(0))
         self.error_replicas.assign(float(replicas))
 
-    def _compressed_step(self, context, grads, replicas, communicate, t, result) -> None:
-        self._say_if_errors_were_reset(replicas)
+    def _local_estimates(self, grads, replicas: int) -> tuple[list[int], list[tf.Tensor]]:
+        """(the compressed tensors' indices, this replica's estimate of their sum, R g, clipped
+        by its global norm to `clip_norm`)."""
         index = [i for i, c in enumerate(self.compressed) if c]
-        local = [grads[i] * replicas for i in index]  # this replica's estimate of the sum
+        local = [grads[i] * replicas for i in index]
         if self.clip_norm:
             local, _ = tf.clip_by_global_norm(local, self.clip_norm)
-        flat = lambda parts: tf.pad(tf.concat([tf.reshape(p, [-1]) for p in parts], 0),  # noqa: E731
-                                    [[0, self.padded - sum(int(p.shape.num_elements()) for p in parts)]])
-        agreed = flat([self.m[i] for i in index])                   # the same on every replica
-        added = flat([(1 - self.beta_1) * g for g in local])        # this replica's gradient
+        return index, local
+
+    def _flatten(self, parts) -> tf.Tensor:
+        """The compressed tensors as one vector of `padded` entries (zeros at the end)."""
+        flat = tf.concat([tf.reshape(p, [-1]) for p in parts], 0)
+        return tf.pad(flat, [[0, self.padded - int(flat.shape[0])]])
+
+    def _unflatten(self, flat: tf.Tensor, index: list[int]) -> list[tf.Tensor]:
+        """`_flatten`'s inverse: one tensor per compressed variable, shaped like its moments."""
+        sizes = [int(self.m[i].shape.num_elements()) for i in index]
+        return [tf.reshape(part, self.m[i].shape) for i, part in zip(index, tf.split(flat[:sum(sizes)], sizes))]
+
+    def _compressed_step(self, context, grads, replicas, communicate, t, result) -> None:
+        self._say_if_errors_were_reset(replicas)
+        index, local = self._local_estimates(grads, replicas)
+        agreed = self._flatten([self.m[i] for i in index])                    # the same on every replica
+        added = self._flatten([(1 - self.beta_1) * g for g in local])         # this replica's gradient
 
         def exchange(local_momentum):
             return two_phase.compressed_mean(context, local_momentum, self.worker_error, self.server_error,
@@ -269,10 +283,7 @@ class OneBitAdam(Compression):
             mean = exchange(self.beta_1 * agreed + added)
         else:
             mean = self._exchange_every_k(t, agreed, added, exchange)
-        sizes = [int(self.m[i].shape.num_elements()) for i in index]
-        parts = tf.split(mean[:sum(sizes)], sizes)
         frozen = math.sqrt(1 - self.beta_2 ** self.freeze_step) / (1 - tf.pow(self.beta_1, t))
-        for i, part in zip(index, parts):
-            m = tf.reshape(part, self.m[i].shape)
+        for i, m in zip(index, self._unflatten(mean, index)):
             self.m[i].assign(m)
             result[i] = frozen * m / (tf.sqrt(self.v[i]) + self.epsilon)
