@@ -103,6 +103,8 @@ CONVERGENCE_RUNS = {
     "powersgd_schedule": "powersgd:compression_args.rank_schedule=8@0,4@100;compression_args.warmup_steps=20",
     "powersgd_fp16_start": "powersgd:compression_args.rank_schedule=8@0,4@100;compression_args.warmup_steps=20;"
                            "compression_args.warmup_compression=fp16",
+    "powersgd_bf16": "powersgd:compression_args.rank_schedule=8@0,4@100;compression_args.warmup_steps=20;"
+                     "compression_args.factor_dtype=bfloat16",
 }
 
 

@@ -120,10 +120,48 @@ def test_powersgd_is_exact_on_a_matrix_of_rank_at_most_its_rank():
     assert np.abs(owed).max() < 1e-4  # the replicas' residuals cancel: nothing is owed
 
 
-@pytest.mark.parametrize("name", ["topk", "sign", "powersgd"])
+def test_powersgd_bf16_factors_send_half_the_bytes_and_keep_what_rounding_loses(mlp_weights):
+    """factor_dtype="bfloat16": P and Q are summed in bfloat16 (in the graph: half of float32's
+    bytes for the same matrices), a rank-2 sum comes back to bfloat16's rounding, and what the
+    rounding loses stays in the replicas' residuals."""
+    strategy = mirrored(2)
+    rng = np.random.RandomState(3)
+    per_replica = np.stack([np.outer(rng.normal(size=48), rng.normal(size=40)) for _ in range(2)])
+    with strategy.scope():
+        variables = [tf.Variable(tf.zeros([48, 40]))]
+        compression = C.Compression(C.PowerSGD(rank=4, factor_dtype="bfloat16"), C.Policy(min_size=0))
+        compression.build(variables)
+    results = run_per_replica(strategy, lambda r, g: compression([tf.gather(g, r)], variables),
+                              tf.constant(per_replica.astype("float32")))
+    exact = per_replica.sum(0)
+    residual = compression.state[next(iter(compression.state))]["residual"]
+    owed = sum(v.numpy() for v in strategy.experimental_local_results(residual))
+    for replica in results:
+        error = np.abs(replica[0].numpy() - exact).max() / np.abs(exact).max()
+        assert 0 < error < 2e-2, error  # rounded (bfloat16 keeps 8 bits), not lost
+        np.testing.assert_allclose(owed, exact - replica[0].numpy(), atol=1e-5)
+
+    dataset = strategy.experimental_distribute_dataset(mlp_data())
+    sent = {}
+    for dtype in ("float32", "bfloat16"):
+        model, trainer = trainer_for(strategy, mlp, mlp_weights, C.PowerSGD(rank=4, factor_dtype=dtype))
+        analytic = trainer.aggregator.payload_bytes(model.trainable_variables)
+        low_rank = sum(analytic[p] for p, c in zip(trainer.aggregator.paths, trainer.aggregator.plan) if c)
+        found = accounting.collectives(trainer.traced_step(dataset))
+        wire = trainer.wire_bytes(dataset)["bytes_per_step"]
+        assert wire == sum(analytic.values()), (dtype, wire, analytic)
+        sent[dtype] = (wire, low_rank, {c.dtype for c in found if c.type == "CollectiveReduceV2"})
+    assert sent["bfloat16"][1] * 2 == sent["float32"][1] > 0, sent
+    assert sent["float32"][0] - sent["bfloat16"][0] == sent["bfloat16"][1], sent  # the rest is unchanged
+    assert "bfloat16" in sent["bfloat16"][2] and "bfloat16" not in sent["float32"][2], sent
+
+
+@pytest.mark.parametrize("name", ["topk", "sign", "powersgd", "powersgd_bf16"])
 def test_error_feedback_sent_plus_new_residual_is_gradient_plus_old(name):
     """On one replica the aggregate is exactly what this replica sent."""
-    compressor = C.get(name, **({"ratio": 0.05} if name == "topk" else {"rank": 2} if name == "powersgd" else {}))
+    args = {"topk": {"ratio": 0.05}, "powersgd": {"rank": 2},
+            "powersgd_bf16": {"rank": 2, "factor_dtype": "bfloat16"}}.get(name, {})
+    compressor = C.get(name.removesuffix("_bf16"), **args)
     variables = [tf.Variable(tf.zeros([24, 20]))]
     compression = C.Compression(compressor, C.Policy(min_size=0))
     compression.build(variables)
@@ -241,6 +279,8 @@ def test_bad_options_are_refused_clearly():
         C.get("topk", ratio=0)
     with pytest.raises(C.CompressionError, match="does not take"):
         C.get("sign", rank=3)
+    with pytest.raises(C.CompressionError, match="factor_dtype 'float16' is not one of float32, bfloat16"):
+        C.get("powersgd", factor_dtype="float16")
     with pytest.raises(C.CompressionError, match="regex"):
         C.Policy(overrides={"(": "none"})
 
@@ -268,6 +308,9 @@ def test_keras_fit_sends_gradients_once_through_the_compressor(mlp_weights):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     lossy = fit(C.TopK(0.05))
     assert max(np.abs(a - b).max() for a, b in zip(lossy, plain)) > 1e-4  # it did compress
+    low_rank = fit(C.PowerSGD(rank=2, factor_dtype="bfloat16"))  # no phases: fit takes it
+    assert all(np.isfinite(w).all() for w in low_rank)
+    assert max(np.abs(a - b).max() for a, b in zip(low_rank, plain)) > 1e-4
 
 
 def test_compress_fit_refuses_what_it_cannot_do():

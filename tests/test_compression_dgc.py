@@ -233,6 +233,9 @@ def test_bf16_is_refused_on_gpus_also_as_a_start():
     with pytest.raises(C.CompressionError, match="bf16 gradients cannot be summed by NCCL"):
         _check_dtype_support(C.OneBitAdam(warmup_compressor="bf16").warmup_compressor, gpus)
     _check_dtype_support(C.OneBitAdam(warmup_compressor="fp16").warmup_compressor, gpus)
+    with pytest.raises(C.CompressionError, match="factor_dtype bfloat16 cannot be summed by NCCL.*float32"):
+        _check_dtype_support(C.PowerSGD(factor_dtype="bfloat16"), gpus)
+    _check_dtype_support(C.PowerSGD(), gpus)
 
 
 def test_a_start_compressor_that_cannot_start_is_refused_by_name():
@@ -333,12 +336,12 @@ def test_new_compressors_run_on_two_worker_processes(tmp_path):
 @pytest.mark.slow
 @uses_convergence_runs
 @pytest.mark.parametrize("name", ["dgc", "onebit_adam", "onebit_adam_every2", "dgc_adam", "powersgd_schedule",
-                                  "powersgd_fp16_start"])
+                                  "powersgd_fp16_start", "powersgd_bf16"])
 def test_new_compressors_learn_the_reverse_task_through_the_binary(reverse_task_runs, name):
     """reverse_tiny on 2 replicas, 200 steps, through tfpar.train in loop mode: dgc(0.01)
     with a density warm-up, 1-bit Adam after 60 Adam steps (also exchanging every 2nd step,
     embeddings too), DGC on Adam (ratio 0.01 after 60 Adam steps) and PowerSGD with a float32 or
-    an fp16 start and a rank schedule each reach the exact-sequence accuracy that the
+    an fp16 start and a rank schedule (also with bfloat16 factors) each reach the exact-sequence accuracy that the
     uncompressed run reaches (>= 0.95, see test_compression). Runs: conftest.CONVERGENCE_RUNS."""
     result = reverse_task_runs[name]
     assert result["name"].split(":")[0] == result["compression"] and name.startswith(result["compression"])
@@ -380,6 +383,15 @@ def test_config_builds_the_new_compressors_and_refuses_what_cannot_work():
     config.compression, config.compression_args.exchange_every = "dgc", 2
     refused(config, "exchange_every: applies to onebit_adam only")
     config.compression_args.exchange_every = 1
+    config.compression_args.factor_dtype = "bfloat16"
+    refused(config, "factor_dtype: is PowerSGD's wire dtype; dgc sends no PowerSGD factors")
+    config.compression = "powersgd"
+    config.optimizer.update(dict(name="adamw", clip_norm=1.0))
+    validate(config)
+    assert C.from_config("powersgd", rank=3, factor_dtype="bfloat16").compressor.wire_dtype == tf.bfloat16
+    config.compression_args.factor_dtype = "float16"
+    refused(config, "factor_dtype: 'float16' is not one of float32, bfloat16")
+    config.compression_args.factor_dtype = "float32"
     with pytest.raises(C.CompressionError, match="ends before its 4 stages start"):
         C.from_config("dgc", sparsity_warmup_steps=3)
 

@@ -61,6 +61,7 @@ def base_config() -> ml_collections.ConfigDict:
         sparsity_warmup_steps=0,  # dgc: density ramp 25% -> ratio over these steps
         stages=4,               # dgc: stages of that ramp
         rank_schedule="",       # powersgd: "8@0,4@300" (steps after warmup_steps)
+        factor_dtype="float32",  # powersgd: P and Q in float32 or bfloat16 (half the bytes; not on GPUs)
         freeze_step=100,        # onebit_adam / dgc_adam: Adam warm-up steps before compressed momentum
         exchange_every=1,       # onebit_adam: send the 1-bit momentum every K-th step (K x fewer bytes)
         auto_total_steps=0))    # auto: the run's length (0: train.steps; its powersgd starts after 10%)
@@ -125,6 +126,7 @@ def _validate_compression(config) -> None:
     from tfpar.compression import NAMES, check_config
     from tfpar.compression.onebit_adam import max_exchange_every
     from tfpar.compression.policy import WARMUP_COMPRESSORS
+    from tfpar.compression.powersgd import FACTOR_DTYPES
 
     _require(config.compression in NAMES, "compression",
              f"{config.compression!r} is not one of {', '.join(NAMES)}.")
@@ -133,6 +135,12 @@ def _validate_compression(config) -> None:
     ca = config.compression_args
     _require(0 < ca.ratio <= 1, "compression_args.ratio", f"must be in (0, 1], got {ca.ratio}.")
     _require(ca.rank >= 1, "compression_args.rank", f"must be >= 1, got {ca.rank}.")
+    _require(ca.factor_dtype in FACTOR_DTYPES, "compression_args.factor_dtype",
+             f"{ca.factor_dtype!r} is not one of {', '.join(FACTOR_DTYPES)}.")
+    sends_factors = config.compression == "powersgd" or "powersgd" in ca.overrides.lower()
+    _require(ca.factor_dtype == "float32" or sends_factors,
+             "compression_args.factor_dtype",
+             f"is PowerSGD's wire dtype; {config.compression} sends no PowerSGD factors.")
     _require(ca.min_size >= 0 and ca.warmup_steps >= 0, "compression_args.min_size",
              "min_size and warmup_steps must be >= 0.")
     _require(not (ca.warmup_steps and config.mode == "fit"), "compression_args.warmup_steps",

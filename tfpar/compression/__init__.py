@@ -46,6 +46,7 @@ def from_config(name: str, ratio: float = 0.01, rank: int = 4, min_size: int = 1
                 reset_on_restore: bool = False, embeddings: bool = False,
                 momentum: float | None = None, clip_norm: float = 0.0, masking: bool = True,
                 sparsity_warmup_steps: int = 0, stages: int = 4, rank_schedule: str = "",
+                factor_dtype: str = "float32",
                 freeze_step: int = 100, exchange_every: int = 1, auto_total_steps: int = 600,
                 auto_tokens: int = 1024) -> Compression | None:
     """The Compression that `--config.compression=NAME --config.compression_args.*` asks for
@@ -54,14 +55,15 @@ def from_config(name: str, ratio: float = 0.01, rank: int = 4, min_size: int = 1
     nothing, biases and norms included); `embeddings`: also
     compress the embeddings with NAME. dgc: ratio, momentum (None: 0.9), clip_norm, masking,
     sparsity_warmup_steps, stages; dgc_adam: ratio, freeze_step, momentum (None: 0),
-    clip_norm, masking; powersgd: rank or rank_schedule ("8@0,4@300");
+    clip_norm, masking; powersgd: rank or rank_schedule ("8@0,4@300"), factor_dtype;
     warmup_steps: the uncompressed start (sent in float32, or in `warmup_compression` fp16 or
     bf16: also onebit_adam's Adam warm-up); onebit_adam: freeze_step, clip_norm,
     exchange_every; auto: the run's steps and one replica's tokens per step (the binary
     passes both from its config)."""
     def named(key: str) -> Compressor:
         args = {"topk": {"ratio": ratio},
-                "powersgd": {"rank": rank, "rank_schedule": rank_schedule or None},
+                "powersgd": {"rank": rank, "rank_schedule": rank_schedule or None,
+                             "factor_dtype": factor_dtype},
                 "dgc": {"ratio": ratio, "momentum": 0.9 if momentum is None else momentum, "clip_norm": clip_norm,
                         "masking": masking, "warmup_steps": sparsity_warmup_steps, "stages": stages}}
         return get(key, **args.get(key.lower(), {}))

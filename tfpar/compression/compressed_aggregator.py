@@ -283,8 +283,15 @@ def _per_replica(initial: tf.Tensor, name: str) -> tf.Variable:
 def _check_dtype_support(compressor: Compressor, strategy: tf.distribute.Strategy) -> None:
     if getattr(compressor, "wire_dtype", None) != tf.bfloat16:
         return
-    devices = getattr(strategy.extended, "worker_devices", ())
+    try:
+        devices = strategy.extended.worker_devices
+    except RuntimeError:  # the default strategy: one device, no all-reduce to refuse
+        return
     if any("GPU" in d.upper() for d in devices):
+        if isinstance(compressor, PowerSGD):
+            raise CompressionError(
+                "powersgd factor_dtype bfloat16 cannot be summed by NCCL, the all-reduce used on "
+                "GPUs. Use factor_dtype float32 there.")
         raise CompressionError(
             "bf16 gradients cannot be summed by NCCL, the all-reduce used on GPUs. Use "
             "compression 'fp16' there (same 2x saving, pre-scaled so it cannot overflow).")

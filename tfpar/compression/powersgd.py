@@ -13,10 +13,15 @@ start, torch's `start_powerSGD_iter`) changes r during training: Q is kept at th
 rank and each stage warm-starts from its first r columns; every stage is its own traced
 step, so its bytes are counted exactly.
 
+`factor_dtype="bfloat16"` sends P and Q in bfloat16: half the bytes at the same rank. The
+sums are decoded to float32 before the orthonormalisation, and what the rounding loses joins
+the error feedback like the rest of the approximation's error.
+
 Example:
     >>> psgd = PowerSGD(rank=4)
     >>> psgd.matrix_shape([4, 32, 128])      # (128, 128): not (4, 4096)
     >>> PowerSGD(rank_schedule="8@0,4@300").stages_at()     # [(0, 8), (300, 4)]
+    >>> PowerSGD(rank=3, factor_dtype="bfloat16")          # powersgd(3,bf16): 2 bytes a float
 """
 
 from __future__ import annotations
@@ -29,15 +34,24 @@ import tensorflow as tf
 from tfpar.compression.compressors import CompressionError, Compressor
 
 
+FACTOR_DTYPES = ("float32", "bfloat16")
+
+
 class PowerSGD(Compressor):
-    """On the wire: P [n, r] and Q [m, r] float32 per n x m matrix (the tensor's most square
-    2-D view), two all-reduces;
+    """On the wire: P [n, r] and Q [m, r] per n x m matrix (the tensor's most square 2-D
+    view) in float32 or `factor_dtype`, two all-reduces;
     what the low-rank sum misses stays behind as error feedback."""
 
     name = "powersgd"
     error_feedback = True
 
-    def __init__(self, rank: int = 4, seed: int = 0, rank_schedule: str | Mapping[int, int] | None = None):
+    def __init__(self, rank: int = 4, seed: int = 0, rank_schedule: str | Mapping[int, int] | None = None,
+                 factor_dtype: str = "float32"):
+        if factor_dtype not in FACTOR_DTYPES:
+            raise CompressionError(f"powersgd factor_dtype {factor_dtype!r} is not one of "
+                                   f"{', '.join(FACTOR_DTYPES)}.")
+        self.factor_dtype = factor_dtype
+        self.wire_dtype = tf.as_dtype(factor_dtype)  # bfloat16: refused where NCCL sums (GPUs)
         self.schedule = parse_rank_schedule(rank_schedule) if rank_schedule else [(0, rank)]
         if any(r < 1 for _, r in self.schedule):
             raise CompressionError(f"powersgd rank must be >= 1, got {rank_schedule or rank}.")
@@ -74,7 +88,7 @@ class PowerSGD(Compressor):
 
     def payload_bytes(self, size, shape=None, param=None):
         n, m = self.matrix_shape(shape)
-        return 4 * (param or self.rank) * (n + m)
+        return self.wire_dtype.size * (param or self.rank) * (n + m)
 
     def initial_q(self, shape, index: int) -> tf.Tensor:
         """The same random start on every replica (seeded by the tensor's index)."""
@@ -86,17 +100,25 @@ class PowerSGD(Compressor):
         """Summed rank-r approximations of `matrices` ([n, m] each); updates `qs` (their
         first r columns; r = `rank`, default the final rank)."""
         rank = rank or self.rank
-        ps = all_reduce([tf.matmul(m, q[:, :rank]) for m, q in zip(matrices, qs)])  # [n, r]
+        ps = self._all_reduce(all_reduce, [tf.matmul(m, q[:, :rank]) for m, q in zip(matrices, qs)])  # [n, r]
         p_hats = [tf.linalg.qr(p)[0] for p in ps]
-        new_qs = all_reduce([tf.matmul(m, p, transpose_a=True) for m, p in zip(matrices, p_hats)])
+        new_qs = self._all_reduce(all_reduce, [tf.matmul(m, p, transpose_a=True)
+                                               for m, p in zip(matrices, p_hats)])
         for q, new in zip(qs, new_qs):
             q.assign(new if rank == self.max_rank else tf.concat([new, q[:, rank:]], 1))
         return [tf.matmul(p, q, transpose_b=True) for p, q in zip(p_hats, new_qs)]
 
+    def _all_reduce(self, all_reduce: Callable[[list], list], factors: list) -> list:
+        """Sums factors across replicas in the wire dtype; float32 back."""
+        if self.wire_dtype == tf.float32:
+            return all_reduce(factors)
+        return [tf.cast(f, tf.float32) for f in all_reduce([tf.cast(f, self.wire_dtype) for f in factors])]
+
     def __repr__(self):
+        wire = "" if self.wire_dtype == tf.float32 else ",bf16"
         if len(self.schedule) > 1:
-            return "powersgd(" + ",".join(f"{r}@{s}" for s, r in self.schedule) + ")"
-        return f"powersgd({self.rank})"
+            return "powersgd(" + ",".join(f"{r}@{s}" for s, r in self.schedule) + wire + ")"
+        return f"powersgd({self.rank}{wire})"
 
 
 def parse_rank_schedule(schedule: str | Mapping[int, int]) -> list[tuple[int, int]]:
