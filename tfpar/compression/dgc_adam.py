@@ -92,16 +92,16 @@ class DGCAdam(OneBitAdam):
 
     def _compressed_step(self, context, grads, replicas, communicate, t, result) -> None:
         index, local = self._local_estimates(grads, replicas)
-        velocity = self._flatten(local)
+        velocity = self._concat_flat(local)
         if self.momentum:  # the first compressed step starts from the warm-up's agreed momentum
             first = tf.cast(tf.equal(t, self.freeze_step + 1.0), tf.float32)
-            previous = first * self._flatten([self.m[i] for i in index]) + (1.0 - first) * self.velocity
+            previous = first * self._concat_flat([self.m[i] for i in index]) + (1.0 - first) * self.velocity
             velocity = self.momentum * previous + (1 - self.momentum) * velocity
         factor = math.sqrt(1 - self.beta_2 ** self.freeze_step)  # the variance's, frozen
         if self.momentum:  # the velocity carries Adam's momentum, and its bias
             factor = factor / (1 - tf.pow(self.beta_1, t))
-        accumulated = self.accumulated + factor * velocity / (tf.sqrt(self._flatten([self.v[i] for i in index]))
-                                                              + self.epsilon)
+        variance = self._concat_flat([self.v[i] for i in index])
+        accumulated = self.accumulated + factor * velocity / (tf.sqrt(variance) + self.epsilon)
         mean, picked = self._sparse_mean(context, accumulated, replicas, communicate)
         zeros = tf.zeros([self.k])
         self.accumulated.assign(tf.tensor_scatter_nd_update(accumulated, picked[:, None], zeros))
@@ -109,7 +109,7 @@ class DGCAdam(OneBitAdam):
             masked = self.masking and self.k < self.size
             self.velocity.assign(tf.tensor_scatter_nd_update(velocity, picked[:, None], zeros)
                                  if masked else velocity)
-        for i, part in zip(index, self._unflatten(mean, index)):
+        for i, part in zip(index, self._split_flat(mean, index)):
             result[i] = part
 
     def _sparse_mean(self, context, accumulated, replicas, communicate) -> tuple[tf.Tensor, tf.Tensor]:

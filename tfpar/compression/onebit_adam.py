@@ -259,21 +259,21 @@ class OneBitAdam(Compression):
             local, _ = tf.clip_by_global_norm(local, self.clip_norm)
         return index, local
 
-    def _flatten(self, parts) -> tf.Tensor:
+    def _concat_flat(self, parts) -> tf.Tensor:
         """The compressed tensors as one vector of `padded` entries (zeros at the end)."""
         flat = tf.concat([tf.reshape(p, [-1]) for p in parts], 0)
         return tf.pad(flat, [[0, self.padded - int(flat.shape[0])]])
 
-    def _unflatten(self, flat: tf.Tensor, index: list[int]) -> list[tf.Tensor]:
-        """`_flatten`'s inverse: one tensor per compressed variable, shaped like its moments."""
+    def _split_flat(self, flat: tf.Tensor, index: list[int]) -> list[tf.Tensor]:
+        """`_concat_flat`'s inverse: one tensor per compressed variable, shaped like its moments."""
         sizes = [int(self.m[i].shape.num_elements()) for i in index]
         return [tf.reshape(part, self.m[i].shape) for i, part in zip(index, tf.split(flat[:sum(sizes)], sizes))]
 
     def _compressed_step(self, context, grads, replicas, communicate, t, result) -> None:
         self._say_if_errors_were_reset(replicas)
         index, local = self._local_estimates(grads, replicas)
-        agreed = self._flatten([self.m[i] for i in index])                    # the same on every replica
-        added = self._flatten([(1 - self.beta_1) * g for g in local])         # this replica's gradient
+        agreed = self._concat_flat([self.m[i] for i in index])             # the same on every replica
+        added = self._concat_flat([(1 - self.beta_1) * g for g in local])  # this replica's gradient
 
         def exchange(local_momentum):
             return two_phase.compressed_mean(context, local_momentum, self.worker_error, self.server_error,
@@ -284,6 +284,6 @@ class OneBitAdam(Compression):
         else:
             mean = self._exchange_every_k(t, agreed, added, exchange)
         frozen = math.sqrt(1 - self.beta_2 ** self.freeze_step) / (1 - tf.pow(self.beta_1, t))
-        for i, m in zip(index, self._unflatten(mean, index)):
+        for i, m in zip(index, self._split_flat(mean, index)):
             self.m[i].assign(m)
             result[i] = frozen * m / (tf.sqrt(self.v[i]) + self.epsilon)
