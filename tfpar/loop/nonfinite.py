@@ -12,6 +12,8 @@ Example:
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import tensorflow as tf
 
 from tfpar.errors import NonFiniteError
@@ -81,3 +83,53 @@ def _apply_if(optimizer, finite, grads, variables) -> None:
         tf.cond(strategy.experimental_local_results(finite)[0], update, lambda: tf.constant(False))
 
     tf.distribute.get_replica_context().merge_call(cross_replica, args=(finite, grads))
+
+
+class SkippedStepState:
+    """Keeps a stateful aggregator's state (error feedback, a compressor's moments) as it was
+    before a step that is then skipped (`nonfinite="skip"`, or fp16's loss scale). Otherwise
+    one NaN gradient enters the error feedback, every later sum is NaN and every later step
+    is skipped.
+
+    A replica whose own gradients are not finite sends NaN in every entry, so the sum, and
+    with it the skip, is not finite on every replica (a top-k could otherwise leave the NaN
+    out of what it sends and keep it in its residual). The state is read before the
+    aggregator runs and put back where the sum is not finite: that step never happened.
+    On a step that exchanges nothing (1-bit Adam's held steps) the sum is the agreed
+    momentum, finite: a replica whose own gradients are not finite puts back its own state
+    (its pending sum), so its bad gradient is dropped and the step goes on.
+
+    Example:
+        >>> keep = SkippedStepState(compression.variables)
+        >>> grads, before = keep.save(grads)                 # replica context
+        >>> summed = compression(grads, variables)
+        >>> keep.restore_if_skipped(summed, before)
+    """
+
+    def __init__(self, variables: Sequence[tf.Variable]):
+        self.variables = tuple(variables)
+
+    def save(self, grads: Sequence) -> tuple[list, tuple]:
+        """(grads, NaN everywhere unless all of them are finite; what `restore_if_skipped`
+        needs: whether they were, and the state's values now)."""
+        finite = _finite(grads)
+        poisoned = [None if g is None else _nan_unless(finite, g) for g in grads]
+        return poisoned, (finite, [tf.identity(v.read_value()) for v in self.variables])
+
+    def restore_if_skipped(self, summed: Sequence, saved: tuple) -> None:
+        """Puts the state back where `summed` (the same on every replica) or this replica's
+        own gradients were not finite."""
+        local_finite, before = saved
+        keep = tf.logical_and(local_finite, _finite(summed))
+        for variable, old in zip(self.variables, before):
+            variable.assign(tf.where(keep, variable.read_value(), old))
+
+
+def _finite(tensors: Sequence) -> tf.Tensor:
+    return tf.math.is_finite(tf.linalg.global_norm([t for t in tensors if t is not None]))
+
+
+def _nan_unless(finite, gradient):
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(_nan_unless(finite, gradient.values), gradient.indices, gradient.dense_shape)
+    return tf.where(finite, gradient, tf.constant(float("nan"), gradient.dtype))

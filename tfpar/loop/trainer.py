@@ -34,7 +34,7 @@ from tfpar.errors import TfparError
 from tfpar.loop import parameter_server
 from tfpar.loop.aggregation import AllReduce, GradientAggregator, NoReduce
 from tfpar.loop.nonfinite import POLICIES as NONFINITE_POLICIES
-from tfpar.loop.nonfinite import NonFiniteGuard
+from tfpar.loop.nonfinite import NonFiniteGuard, SkippedStepState
 from tfpar.placement import tpu_cores
 from tfpar.placement.plan import PlacementError, is_multi_worker_mirrored
 from tfpar.strategy import keras_fixes, private_api
@@ -110,8 +110,10 @@ class Trainer:
       nonfinite: what a step whose summed gradients hold NaN or Inf does: "stop" (default:
         `fit` raises NonFiniteError naming the step, after the call that met it, before any
         callback could checkpoint it), "skip" (that step's update is not applied, as Keras's
-        LossScaleOptimizer skips; counted in `skipped_steps`) or "ignore". Under fp16 the
-        LossScaleOptimizer already skips such steps (that is how it finds its scale).
+        LossScaleOptimizer skips; counted in `skipped_steps`; a compression's state, such as
+        its error feedback, stays as it was before that step) or "ignore". Under fp16 the
+        LossScaleOptimizer already skips such steps (that is how it finds its scale), and
+        the compression's state is kept the same way.
       xla: jit-compile forward + backward (default on). The compiled function is pure:
         it takes the variables' values as tensors (Keras `stateless_call`), which is what
         lets XLA run under MirroredStrategy too (a compiled function that captures mirrored
@@ -131,6 +133,7 @@ class Trainer:
         self.steps_per_loop, self.accumulate = steps_per_loop, accumulate
         if nonfinite not in NONFINITE_POLICIES:
             raise TrainerError(f"nonfinite={nonfinite!r}: choose one of {', '.join(NONFINITE_POLICIES)}.")
+        skips = nonfinite == "skip" or private_api.is_loss_scaled(optimizer)
         if private_api.is_loss_scaled(optimizer):  # fp16: the loss scale skips by itself
             nonfinite = "ignore"
         self.aggregator = _aggregator_for(self.strategy, aggregator, compression)
@@ -152,6 +155,8 @@ class Trainer:
                 synchronization=tf.VariableSynchronization.ON_READ,
                 aggregation=tf.VariableAggregation.SUM)
             self._guard = None if self._async else NonFiniteGuard(nonfinite)
+        state = getattr(self.aggregator, "variables", ())
+        self._skipped_step_state = SkippedStepState(state) if skips and state and not self._async else None
         self.step = 0  # the next optimizer step; fit sets it from start_step
         # Exact shapes (no reduce_retracing): a static batch keeps every gradient's size
         # static, which XLA wants and which lets the wire bytes be counted before running.
@@ -261,7 +266,11 @@ class Trainer:
             if self.accumulate > 1:  # sparse (embedding) gradients are summed densely
                 grads = [tf.convert_to_tensor(g) for g in grads]
             summed = list(grads) if summed is None else [a + b for a, b in zip(summed, grads)]
+        if self._skipped_step_state is not None:  # a skipped step leaves the aggregator's state
+            summed, before = self._skipped_step_state.save(summed)
         summed = self.aggregator(summed, variables)
+        if self._skipped_step_state is not None:
+            self._skipped_step_state.restore_if_skipped(summed, before)
         if self.sum_sparse_rows:  # Adam & co. need a sparse gradient's rows summed first
             summed = [keras_fixes.sum_repeated_rows(g) for g in summed]
         norm = None
