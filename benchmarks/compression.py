@@ -115,7 +115,8 @@ CONFIGS = {
     # gpt_tiny over 2000 steps: a 10% start, ranks 16 and 8 first, then rank 3 (or 4) with its
     # factors in bfloat16 (39.0x at rank 3 on gpt_tiny: still +4.9%, see docs)
     **{f"powersgd({r})+bf16+start200+16-8-{r}": ("powersgd", {"rank_schedule": f"16@0,8@300,{r}@700",
-                                                              "warmup_steps": 200, "factor_dtype": "bfloat16"}, True)
+                                                              "warmup_steps": 200,
+                                                              "factor_dtype": "bfloat16"}, True)
        for r in (3, 4)},
     # gpt_wide's best PowerSGD (+1.85% at 51.5x) with its factors in bfloat16: twice the ratio
     "powersgd(4)+bf16+start120+16-8-4": ("powersgd", {"rank_schedule": "16@0,8@150,4@350", "warmup_steps": 120,

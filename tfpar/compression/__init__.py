@@ -26,7 +26,8 @@ COMPRESSORS = {"none": NoCompression, "fp16": FP16, "bf16": BF16, "int8": Int8, 
 
 def get(name: str, **args) -> Compressor:
     """A compressor by name: none, fp16, bf16, int8, topk(ratio=), powersgd(rank=,
-    rank_schedule=), sign, dgc(ratio=, momentum=, clip_norm=, masking=, warmup_steps=, stages=)."""
+    rank_schedule=, factor_dtype=), sign, dgc(ratio=, momentum=, clip_norm=, masking=,
+    warmup_steps=, stages=)."""
     if isinstance(name, Compressor):
         return name
     key = name.lower()

@@ -148,6 +148,9 @@ class Auto(Compression):
     def checkpoint_items(self):
         return self.chosen.checkpoint_items()
 
+    def state_variables(self):
+        return self.chosen.state_variables()
+
     def payload_bytes(self, variables, phase="compressed"):
         return self.chosen.payload_bytes(variables, phase)
 

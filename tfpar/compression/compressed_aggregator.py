@@ -73,6 +73,8 @@ class Compression(tf.Module, GradientAggregator):
                 wanted.check_shape(path, tuple(v.shape))
         self.plan = [self.policy.choose(path, tuple(v.shape), self.compressor)
                      for path, v in zip(self.paths, variables)]
+        for chosen in {repr(c): c for c in self.plan if c is not None}.values():  # overrides too
+            _check_dtype_support(chosen, tf.distribute.get_strategy())
         self._check_plan()
         for index, (path, variable, chosen) in enumerate(zip(self.paths, variables, self.plan)):
             slots = {}
@@ -108,6 +110,10 @@ class Compression(tf.Module, GradientAggregator):
         check = getattr(self.compressor, "check_optimizer", None)
         if check is not None:
             check(optimizer)
+
+    def state_variables(self) -> tuple[tf.Variable, ...]:
+        """Everything this aggregator keeps per replica (residuals, Q, velocities, moments)."""
+        return tuple(self.variables)
 
     def checkpoint_items(self) -> dict:
         """What the Trainer adds to its checkpoint (nothing with reset_on_restore)."""

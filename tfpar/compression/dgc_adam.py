@@ -75,6 +75,8 @@ class DGCAdam(OneBitAdam):
         self.accumulated = _per_replica(tf.zeros([self.size]), "accumulated")
         if self.momentum:
             self.velocity = _per_replica(tf.zeros([self.size]), "velocity")
+            # 1 once a compressed step has run (the optimizer's step can lag trainer.step: skipped steps)
+            self.velocity_started = _per_replica(tf.constant(0.0), "velocity_started")
 
     @property
     def padded(self) -> int:
@@ -94,8 +96,9 @@ class DGCAdam(OneBitAdam):
         index, local = self._local_estimates(grads, replicas)
         velocity = self._concat_flat(local)
         if self.momentum:  # the first compressed step starts from the warm-up's agreed momentum
-            first = tf.cast(tf.equal(t, self.freeze_step + 1.0), tf.float32)
+            first = 1.0 - self.velocity_started
             previous = first * self._concat_flat([self.m[i] for i in index]) + (1.0 - first) * self.velocity
+            self.velocity_started.assign(1.0)
             velocity = self.momentum * previous + (1 - self.momentum) * velocity
         factor = math.sqrt(1 - self.beta_2 ** self.freeze_step)  # the variance's, frozen
         if self.momentum:  # the velocity carries Adam's momentum, and its bias

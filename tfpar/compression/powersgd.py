@@ -84,7 +84,7 @@ class PowerSGD(Compressor):
         if len(shape) < 2:
             return False
         n, m = self.matrix_shape(shape)
-        return self.max_rank * (n + m) < n * m  # only where it sends fewer bytes
+        return self.max_rank * (n + m) < n * m  # only where it sends fewer floats (the same plan in bf16)
 
     def payload_bytes(self, size, shape=None, param=None):
         n, m = self.matrix_shape(shape)

@@ -15,6 +15,8 @@ an aggregator overrides only what it needs and the Trainer never probes with `ha
 - `phase(step)`: a hashable value; each distinct phase gets its own trace of the step.
 - `set_phase(phase)`: called while tracing, before `__call__`, with that trace's phase.
 - `checkpoint_items()`: trackables (by name) saved and restored with the model.
+- `state_variables()`: per-replica state that a skipped step must leave as it was
+  (error feedback, a compressor's moments); see tfpar.loop.nonfinite.SkippedStepState.
 
 Example:
     >>> class Mine(GradientAggregator):
@@ -59,6 +61,11 @@ class GradientAggregator(abc.ABC):
     def checkpoint_items(self) -> dict:
         """Trackables to checkpoint with the model, by name; default: none."""
         return {}
+
+    def state_variables(self) -> tuple[tf.Variable, ...]:
+        """Per-replica variables a step changes and a skipped step must not (assigned in the
+        replica context); default: none."""
+        return ()
 
 
 class AllReduce(GradientAggregator):

@@ -91,38 +91,41 @@ class SkippedStepState:
     one NaN gradient enters the error feedback, every later sum is NaN and every later step
     is skipped.
 
-    A replica whose own gradients are not finite sends NaN in every entry, so the sum, and
-    with it the skip, is not finite on every replica (a top-k could otherwise leave the NaN
-    out of what it sends and keep it in its residual). The state is read before the
-    aggregator runs and put back where the sum is not finite: that step never happened.
-    On a step that exchanges nothing (1-bit Adam's held steps) the sum is the agreed
-    momentum, finite: a replica whose own gradients are not finite puts back its own state
-    (its pending sum), so its bad gradient is dropped and the step goes on.
+    Whether every replica's own gradients are finite is agreed by one scalar all-reduce: a
+    compressed sum can be finite with a NaN left behind in one replica's residual (a top-k
+    that does not send it, a 1-bit Adam step that exchanges nothing). Where they are not, or
+    the sum is not, every replica puts its state back to what it read before the aggregator
+    ran and returns a NaN sum, so the step is skipped everywhere: it never happened.
 
     Example:
-        >>> keep = SkippedStepState(compression.variables)
-        >>> grads, before = keep.save(grads)                 # replica context
-        >>> summed = compression(grads, variables)
-        >>> keep.restore_if_skipped(summed, before)
+        >>> keep = SkippedStepState(compression.state_variables())
+        >>> saved = keep.save(grads)                          # replica context
+        >>> summed = keep.restore_if_skipped(compression(grads, variables), saved)
     """
 
     def __init__(self, variables: Sequence[tf.Variable]):
         self.variables = tuple(variables)
 
-    def save(self, grads: Sequence) -> tuple[list, tuple]:
-        """(grads, NaN everywhere unless all of them are finite; what `restore_if_skipped`
-        needs: whether they were, and the state's values now)."""
-        finite = _finite(grads)
-        poisoned = [None if g is None else _nan_unless(finite, g) for g in grads]
-        return poisoned, (finite, [tf.identity(v.read_value()) for v in self.variables])
+    def save(self, grads: Sequence) -> tuple[tf.Tensor, list[tf.Tensor]]:
+        """(whether every replica's gradients are finite, the state's values now)."""
+        context = tf.distribute.get_replica_context()
+        bad = 1.0 - tf.cast(_finite(grads), tf.float32)
+        if context is not None:
+            bad = context.all_reduce(tf.distribute.ReduceOp.SUM, bad)
+        return tf.equal(bad, 0.0), [tf.identity(v.read_value()) for v in self.variables]
 
-    def restore_if_skipped(self, summed: Sequence, saved: tuple) -> None:
-        """Puts the state back where `summed` (the same on every replica) or this replica's
-        own gradients were not finite."""
-        local_finite, before = saved
-        keep = tf.logical_and(local_finite, _finite(summed))
-        for variable, old in zip(self.variables, before):
-            variable.assign(tf.where(keep, variable.read_value(), old))
+    def restore_if_skipped(self, summed: Sequence, saved: tuple) -> list:
+        """`summed`, or NaN where the step is skipped (the state then put back as saved)."""
+        all_finite, before = saved
+        keep = tf.logical_and(all_finite, _finite(summed))
+
+        def restore():
+            for variable, old in zip(self.variables, before):
+                variable.assign(old)
+            return tf.constant(False)
+
+        tf.cond(keep, lambda: tf.constant(True), restore)
+        return [None if g is None else _nan_unless(keep, g) for g in summed]
 
 
 def _finite(tensors: Sequence) -> tf.Tensor:

@@ -155,8 +155,8 @@ class Trainer:
                 synchronization=tf.VariableSynchronization.ON_READ,
                 aggregation=tf.VariableAggregation.SUM)
             self._guard = None if self._async else NonFiniteGuard(nonfinite)
-        state = getattr(self.aggregator, "variables", ())
-        self._skipped_step_state = SkippedStepState(state) if skips and state and not self._async else None
+        state = self.aggregator.state_variables() if skips and not self._async else ()
+        self._skipped_step_state = SkippedStepState(state) if state else None
         self.step = 0  # the next optimizer step; fit sets it from start_step
         # Exact shapes (no reduce_retracing): a static batch keeps every gradient's size
         # static, which XLA wants and which lets the wire bytes be counted before running.
@@ -266,11 +266,11 @@ class Trainer:
             if self.accumulate > 1:  # sparse (embedding) gradients are summed densely
                 grads = [tf.convert_to_tensor(g) for g in grads]
             summed = list(grads) if summed is None else [a + b for a, b in zip(summed, grads)]
-        if self._skipped_step_state is not None:  # a skipped step leaves the aggregator's state
-            summed, before = self._skipped_step_state.save(summed)
-        summed = self.aggregator(summed, variables)
-        if self._skipped_step_state is not None:
-            self._skipped_step_state.restore_if_skipped(summed, before)
+        if self._skipped_step_state is None:
+            summed = self.aggregator(summed, variables)
+        else:  # a skipped step leaves the aggregator's state as it was
+            saved = self._skipped_step_state.save(summed)
+            summed = self._skipped_step_state.restore_if_skipped(self.aggregator(summed, variables), saved)
         if self.sum_sparse_rows:  # Adam & co. need a sparse gradient's rows summed first
             summed = [keras_fixes.sum_repeated_rows(g) for g in summed]
         norm = None
