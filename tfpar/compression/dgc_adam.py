@@ -96,7 +96,8 @@ class DGCAdam(OneBitAdam):
         index, local = self._local_estimates(grads, replicas)
         velocity = self._concat_flat(local)
         if self.momentum:  # the first compressed step starts from the warm-up's agreed momentum
-            first = 1.0 - self.velocity_started
+            # (t: a checkpoint from before the flag restores it as 0 past the first step)
+            first = (1.0 - self.velocity_started) * tf.cast(t <= self.freeze_step + 1.0, tf.float32)
             previous = first * self._concat_flat([self.m[i] for i in index]) + (1.0 - first) * self.velocity
             self.velocity_started.assign(1.0)
             velocity = self.momentum * previous + (1 - self.momentum) * velocity

@@ -307,7 +307,8 @@ class Trainer:
     def _synchronous_steps(self, iterator, steps):
         """(mean loss, bad steps, first bad step) of `steps` synchronous steps."""
         # Each replica adds its loss to its own copy; one cross-replica sum per call, so a
-        # step's only collectives are the gradients' (see wire_bytes).
+        # step's only collectives are the gradients' (see wire_bytes), and with a stateful
+        # compressor under skip or fp16 one scalar (SkippedStepState).
         def reset():  # each replica its own copy: no collective
             for variable in (self._loss_sum, *self._guard.variables):
                 variable.assign(0.0)
