@@ -69,18 +69,8 @@ def from_config(name: str, ratio: float = 0.01, rank: int = 4, min_size: int = 1
                         "masking": masking, "warmup_steps": sparsity_warmup_steps, "stages": stages}}
         return get(key, **args.get(key.lower(), {}))
 
-    parsed = {}
-    for item in filter(None, (part.strip() for part in overrides.split(","))):
-        pattern, sep, chosen = item.rpartition("=")
-        if not sep or not pattern:
-            raise CompressionError(f"compression_args.overrides item {item!r} is not 'regex=name'.")
-        parsed[pattern] = named(chosen.strip())
-    if skip.strip().lower() == "none":
-        skip_list = ()  # skip nothing: every tensor of at least min_size elements is compressed
-    else:
-        skip_list = tuple(p.strip() for p in skip.split(",") if p.strip()) if skip else None
-    if embeddings and skip_list is None:
-        skip_list = tuple(p for p in DEFAULT_SKIP if "embed" not in p)
+    parsed = _parse_overrides(overrides, named)
+    skip_list = _skip_list(skip, embeddings)
     policy_args = {"skip": skip_list} if skip_list is not None else {}
     if name.lower() == "auto":
         return Auto(total_steps=auto_total_steps, tokens=auto_tokens)
@@ -104,6 +94,27 @@ def from_config(name: str, ratio: float = 0.01, rank: int = 4, min_size: int = 1
     policy = Policy(min_size=min_size, warmup_steps=warmup_steps, warmup_compressor=warmup_compression,
                     overrides=parsed, **policy_args)
     return Compression(compressor, policy, reset_on_restore=reset_on_restore)
+
+
+def _parse_overrides(overrides: str, named) -> dict:
+    """"regex=name,regex=name" -> {regex: named(name)}."""
+    parsed = {}
+    for item in filter(None, (part.strip() for part in overrides.split(","))):
+        pattern, sep, chosen = item.rpartition("=")
+        if not sep or not pattern:
+            raise CompressionError(f"compression_args.overrides item {item!r} is not 'regex=name'.")
+        parsed[pattern] = named(chosen.strip())
+    return parsed
+
+
+def _skip_list(skip: str, embeddings: bool) -> tuple[str, ...] | None:
+    """The policy's skip regexes (None: its default): "none" skips nothing (every tensor of at
+    least min_size elements is compressed); `embeddings` drops "embed" from the default."""
+    if skip.strip().lower() == "none":
+        return ()
+    if skip:
+        return tuple(p.strip() for p in skip.split(",") if p.strip())
+    return tuple(p for p in DEFAULT_SKIP if "embed" not in p) if embeddings else None
 
 
 def check_config(config) -> str | None:

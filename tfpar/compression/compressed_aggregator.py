@@ -34,7 +34,7 @@ from tfpar.compression.compressors import (CompressionError, Compressor, GatherC
 from tfpar.compression.dgc import DGC
 from tfpar.compression.policy import Policy
 from tfpar.compression.powersgd import PowerSGD
-from tfpar.loop.aggregation import GradientAggregator, densify_if_smaller, multi_worker
+from tfpar.loop.aggregation import GradientAggregator, communicates, densify_if_smaller
 
 SIZE_EXCHANGE_BYTES = 8  # every all_gather first gathers its input's shape: 2 x int32 here
 
@@ -63,9 +63,6 @@ class Compression(tf.Module, GradientAggregator):
 
     def build(self, variables: Sequence[tf.Variable]) -> None:
         """Chooses a compressor per variable and creates the per-replica state."""
-        for compressor in (self.compressor, self.policy.start()):
-            if compressor is not None:
-                _check_dtype_support(compressor, tf.distribute.get_strategy())
         self.paths = [getattr(v, "path", v.name) for v in variables]
         for path, v in zip(self.paths, variables):
             wanted = self.policy.wanted(path, tuple(v.shape), self.compressor)
@@ -73,8 +70,9 @@ class Compression(tf.Module, GradientAggregator):
                 wanted.check_shape(path, tuple(v.shape))
         self.plan = [self.policy.choose(path, tuple(v.shape), self.compressor)
                      for path, v in zip(self.paths, variables)]
-        for chosen in {repr(c): c for c in self.plan if c is not None}.values():  # overrides too
-            _check_dtype_support(chosen, tf.distribute.get_strategy())
+        sent = (*self.plan, self.policy.start())  # the start and every compressor chosen (overrides too)
+        for compressor in {repr(c): c for c in sent if c is not None}.values():
+            _check_dtype_support(compressor, tf.distribute.get_strategy())
         self._check_plan()
         for index, (path, variable, chosen) in enumerate(zip(self.paths, variables, self.plan)):
             slots = {}
@@ -167,7 +165,7 @@ class Compression(tf.Module, GradientAggregator):
     def __call__(self, gradients: Sequence[tf.Tensor], variables: Sequence[tf.Variable]) -> list:
         context = tf.distribute.get_replica_context()
         replicas = context.num_replicas_in_sync
-        communicate = replicas > 1 or multi_worker(context)
+        communicate = communicates(context)
         plan = self._plan_for(self._phase, gradients, variables)
         result: list = [None] * len(gradients)
 
@@ -294,10 +292,5 @@ def _check_dtype_support(compressor: Compressor, strategy: tf.distribute.Strateg
     except RuntimeError:  # the default strategy: one device, no all-reduce to refuse
         return
     if any("GPU" in d.upper() for d in devices):
-        if isinstance(compressor, PowerSGD):
-            raise CompressionError(
-                "powersgd factor_dtype bfloat16 cannot be summed by NCCL, the all-reduce used on "
-                "GPUs. Use factor_dtype float32 there.")
-        raise CompressionError(
-            "bf16 gradients cannot be summed by NCCL, the all-reduce used on GPUs. Use "
-            "compression 'fp16' there (same 2x saving, pre-scaled so it cannot overflow).")
+        sent, fix = compressor.bfloat16_on_gpus
+        raise CompressionError(f"{sent} cannot be summed by NCCL, the all-reduce used on GPUs. Use {fix}.")

@@ -54,6 +54,9 @@ class ReduceCompressor(Compressor):
     cannot overflow on the sum, multiplied back in float32 afterwards."""
 
     wire_dtype = tf.float32
+    # (what goes in bfloat16, the fix) for the refusal on GPUs, whose NCCL cannot sum it
+    bfloat16_on_gpus = ("bf16 gradients", "compression 'fp16' there (same 2x saving, pre-scaled so it "
+                                          "cannot overflow)")
 
     def encode(self, x: tf.Tensor, replicas: int) -> tf.Tensor:
         if self.wire_dtype == tf.float32:

@@ -46,7 +46,7 @@ from tfpar.compression.compressed_aggregator import Compression, _check_dtype_su
 from tfpar.compression.compressors import CompressionError, Sign
 from tfpar.compression.dgc import _sgd_class
 from tfpar.compression.policy import Policy, start_compressor
-from tfpar.loop.aggregation import multi_worker
+from tfpar.loop.aggregation import communicates
 
 
 def max_exchange_every(beta_1: float = 0.9) -> int:
@@ -192,7 +192,7 @@ class OneBitAdam(Compression):
     def __call__(self, gradients, variables):
         context = tf.distribute.get_replica_context()
         replicas = context.num_replicas_in_sync
-        communicate = replicas > 1 or multi_worker(context)
+        communicate = communicates(context)
         grads = [_dense(g, v) for g, v in zip(gradients, variables)]
         t = self.iterations + 1.0
         self.iterations.assign(t)

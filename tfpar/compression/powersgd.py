@@ -44,6 +44,7 @@ class PowerSGD(Compressor):
 
     name = "powersgd"
     error_feedback = True
+    bfloat16_on_gpus = ("powersgd factor_dtype bfloat16", "factor_dtype float32 there")
 
     def __init__(self, rank: int = 4, seed: int = 0, rank_schedule: str | Mapping[int, int] | None = None,
                  factor_dtype: str = "float32"):

@@ -74,7 +74,7 @@ class AllReduce(GradientAggregator):
 
     def __call__(self, gradients, variables):
         context = tf.distribute.get_replica_context()
-        if context is None or context.num_replicas_in_sync == 1 and not multi_worker(context):
+        if context is None or not communicates(context):
             return list(gradients)
         gradients = [densify_if_smaller(g, v) for g, v in zip(gradients, variables)]
         return context.all_reduce(tf.distribute.ReduceOp.SUM, gradients)
@@ -101,3 +101,8 @@ def densify_if_smaller(gradient, variable):
 def multi_worker(context) -> bool:
     """Whether the replica context's strategy spans several workers."""
     return getattr(context.strategy.extended, "_num_workers", 1) > 1
+
+
+def communicates(context) -> bool:
+    """Whether a collective in this replica context reaches another replica."""
+    return context.num_replicas_in_sync > 1 or multi_worker(context)

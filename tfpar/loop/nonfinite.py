@@ -17,7 +17,7 @@ from typing import Sequence
 import tensorflow as tf
 
 from tfpar.errors import NonFiniteError
-from tfpar.loop.aggregation import multi_worker
+from tfpar.loop.aggregation import communicates
 
 POLICIES = ("stop", "skip", "ignore")
 
@@ -111,7 +111,7 @@ class SkippedStepState:
         """(whether every replica's gradients are finite, the state's values now)."""
         context = tf.distribute.get_replica_context()
         bad = 1.0 - tf.cast(_finite(grads), tf.float32)
-        if context.num_replicas_in_sync > 1 or multi_worker(context):
+        if communicates(context):
             bad = context.all_reduce(tf.distribute.ReduceOp.SUM, bad)
         return tf.equal(bad, 0.0), [tf.identity(v.read_value()) for v in self.variables]
 

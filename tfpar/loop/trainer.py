@@ -133,8 +133,9 @@ class Trainer:
         self.steps_per_loop, self.accumulate = steps_per_loop, accumulate
         if nonfinite not in NONFINITE_POLICIES:
             raise TrainerError(f"nonfinite={nonfinite!r}: choose one of {', '.join(NONFINITE_POLICIES)}.")
-        skips = nonfinite == "skip" or private_api.is_loss_scaled(optimizer)
-        if private_api.is_loss_scaled(optimizer):  # fp16: the loss scale skips by itself
+        loss_scaled = private_api.is_loss_scaled(optimizer)
+        skips = nonfinite == "skip" or loss_scaled
+        if loss_scaled:  # fp16: the loss scale skips by itself
             nonfinite = "ignore"
         self.aggregator = _aggregator_for(self.strategy, aggregator, compression)
         self.aggregator.check_optimizer(optimizer)
