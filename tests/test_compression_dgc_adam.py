@@ -131,7 +131,7 @@ def test_what_is_sent_plus_what_is_kept_is_the_step_and_sent_entries_are_masked(
     step = trainer.traced_step(dataset, "compressed")
     analytic = dgc.payload_bytes(trainer.model.trainable_variables)
     assert analytic["all_gather"] == 8 * k and analytic["all_reduce"] == 0
-    assert accounting.bytes_per_replica(step, in_loops_only=True) == sum(analytic.values())
+    assert accounting.bytes_per_replica(step, in_loops_only=True, checks=False) == sum(analytic.values())
 
 
 def test_dgc_adam_refuses_bad_arguments_and_optimizers():

@@ -84,6 +84,18 @@ def test_skip_with_compression_leaves_its_state_as_before_the_bad_step(name):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_stop_names_the_step_where_one_replica_met_nan_under_compression():
+    """Under the default nonfinite="stop", NaN in one replica's gradients stops the run at
+    that step, also where the compressed sum is finite: step 3 is a held 1-bit Adam step
+    that exchanges nothing, so the NaN used to surface only at step 4's exchange (a top-k
+    that leaves it unsent would hide it longer)."""
+    strategy = tfpar.create_strategy("mirrored", devices=["/cpu:0", "/cpu:1"])
+    compression, momentum, learning_rate = COMPRESSIONS["onebit_adam_every2"]
+    with pytest.raises(NonFiniteError, match=r"Step 3: the gradients \(or the loss\) are NaN"):
+        train(strategy, data(one_replica=True), steps=6, compression=compression(),
+              momentum=momentum, learning_rate=learning_rate)
+
+
 def test_a_step_the_fp16_loss_scale_skips_leaves_the_error_feedback_as_it_was():
     """Under mixed_float16 the LossScaleOptimizer skips the step with NaN on one replica;
     topk's residuals stay finite and every other step is applied (before, every later step

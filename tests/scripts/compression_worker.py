@@ -45,5 +45,6 @@ for name in ["none", "fp16", "bf16", "int8", "topk", "powersgd", "sign"]:
     analytic = sum(compression.payload_bytes(model.trainable_variables).values())
     trainer.fit(dataset, steps=fit_model.STEPS)
     np.savez(f"{sys.argv[1]}/{name}_{info.task_index}.npz", *model.get_weights())
-    print(f"WIRE {name} {wire['bytes_per_step']} {analytic} {wire['ratio']:.2f} "
-          f"{wire['bytes_per_call']}", flush=True)
+    print(f"WIRE {name} {wire['bytes_per_step'] - wire['check_bytes_per_step']} {analytic} {wire['ratio']:.2f} "
+          f"{wire['bytes_per_call']} {wire['check_bytes_per_step']} {bool(trainer.aggregator.state_variables())}",
+          flush=True)

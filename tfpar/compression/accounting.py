@@ -35,6 +35,9 @@ TPU_COLLECTIVE_TYPES = ("CrossReplicaSum", "AllToAll", "CollectivePermute", "Xla
                         "XlaReduceScatter")
 COLLECTIVE_TYPES = COLLECTIVE_TYPES + TPU_COLLECTIVE_TYPES
 
+# The name scope of collectives that carry no gradient: the replicas' one-float agreement
+# that every gradient is finite (tfpar.loop.nonfinite). Counted, and also named apart.
+CHECK_SCOPE = "finite_check"
 # Bytes a worker transmits per byte it hands to the collective, on a ring / pairwise
 # exchange of R workers: what a link carries, unlike the handed bytes for a gather.
 LINK_FACTORS = {"reduce": lambda r: 2 * (r - 1) / r, "gather": lambda r: r - 1.0,
@@ -58,12 +61,13 @@ def _static_input(op) -> tf.Tensor:
     return tensor
 
 
-def collectives(concrete_function) -> list[Collective]:
-    """Every collective op of a traced function, nested functions included (each op once)."""
+def collectives(concrete_function, checks: bool = True) -> list[Collective]:
+    """Every collective op of a traced function, nested functions included (each op once);
+    `checks=False`: the gradients' alone (see CHECK_SCOPE)."""
     found: list[Collective] = []
     for graph in _all_graphs(concrete_function.graph).values():
         for op in graph.get_operations():
-            if op.type in COLLECTIVE_TYPES:
+            if op.type in COLLECTIVE_TYPES and (checks or not _in_scope(op.name, CHECK_SCOPE)):
                 found.append(_describe(op))
     return found
 
@@ -118,13 +122,14 @@ def _kind(op_type: str) -> str:
 
 
 def executed_bytes(concrete_function, in_loops_only: bool = False,
-                   weight=None) -> collections.Counter:
+                   weight=None, checks: bool = True) -> collections.Counter:
     """Bytes per device that one execution hands to collectives: loop bodies once, the
     larger branch of each conditional (only one runs; one named by `every_k_steps_name(k)`:
     its true branch 1/k and its false branch (k-1)/k, the mean per step), called functions
     included.
     Collectives of data-dependent size count 0 here (see `dynamic`). `in_loops_only`:
-    only what runs inside while loops (a train step's body, not the once-per-call part)."""
+    only what runs inside while loops (a train step's body, not the once-per-call part).
+    `checks=False`: leaves out the collectives under CHECK_SCOPE (gradients only)."""
     graphs = _all_graphs(concrete_function.graph)
 
     def functions(op, attrs):
@@ -141,7 +146,7 @@ def executed_bytes(concrete_function, in_loops_only: bool = False,
     def count(graph, counting: bool) -> collections.Counter:
         total = collections.Counter()
         for op in graph.get_operations():
-            if op.type in COLLECTIVE_TYPES and counting:
+            if op.type in COLLECTIVE_TYPES and counting and (checks or not _in_scope(op.name, CHECK_SCOPE)):
                 total[op.device] += (_describe(op).bytes or 0) * (weight(op.type) if weight else 1)
             elif op.type in _BRANCHING:
                 branches = [count(g, counting) for g in functions(op, _BRANCHING[op.type])]
@@ -158,16 +163,18 @@ def executed_bytes(concrete_function, in_loops_only: bool = False,
     return count(concrete_function.graph, not in_loops_only)
 
 
-def bytes_per_replica(concrete_function, in_loops_only: bool = False) -> float:
-    """Bytes one replica hands to collectives per execution (the busiest device)."""
-    return max(executed_bytes(concrete_function, in_loops_only).values(), default=0)
+def bytes_per_replica(concrete_function, in_loops_only: bool = False, checks: bool = True) -> float:
+    """Bytes one replica hands to collectives per execution (the busiest device);
+    `checks=False`: the gradients' alone (see CHECK_SCOPE)."""
+    return max(executed_bytes(concrete_function, in_loops_only, checks=checks).values(), default=0)
 
 
-def link_bytes_per_worker(concrete_function, replicas: int, in_loops_only: bool = True) -> float:
+def link_bytes_per_worker(concrete_function, replicas: int, in_loops_only: bool = True,
+                          checks: bool = True) -> float:
     """Bytes one replica transmits per execution (ring all-reduce 2(R-1)/R of its payload,
     all-gather (R-1)x, all-to-all (R-1)/R): the number that grows, or not, with R."""
     weight = lambda op_type: LINK_FACTORS[_kind(op_type)](replicas)  # noqa: E731
-    return max(executed_bytes(concrete_function, in_loops_only, weight).values(), default=0)
+    return max(executed_bytes(concrete_function, in_loops_only, weight, checks).values(), default=0)
 
 
 def analytic_link_bytes(handed: dict, replicas: int) -> float:
@@ -178,6 +185,20 @@ def analytic_link_bytes(handed: dict, replicas: int) -> float:
 def dynamic(found: list[Collective]) -> list[Collective]:
     """Collectives whose size depends on the data (e.g. an embedding's sparse gradient)."""
     return [c for c in found if c.bytes is None]
+
+
+def _in_scope(op_name: str, scope: str) -> bool:
+    return scope in op_name.split("/")[:-1]
+
+
+def bytes_in_scope(found: list[Collective], scope: str = CHECK_SCOPE) -> int:
+    """Bytes of the collectives under name scope `scope`, on the busiest device (each op
+    once: for a step's own ops, per step). E.g. bytes_in_scope(collectives(step))."""
+    per_device = collections.Counter()
+    for c in found:
+        if _in_scope(c.name, scope):
+            per_device[c.device] += c.bytes or 0
+    return max(per_device.values(), default=0)
 
 
 def fp32_bytes(variables) -> int:

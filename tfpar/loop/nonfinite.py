@@ -16,6 +16,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from tfpar.compression import accounting
 from tfpar.errors import NonFiniteError
 from tfpar.loop.aggregation import communicates
 
@@ -98,6 +99,9 @@ class SkippedStepState:
     the sum is not, every replica puts its state back to what it read before the aggregator
     ran and returns a NaN sum, so the step is skipped everywhere: it never happened.
 
+    With no variables it only agrees (nonfinite="stop": the run ends at that step, so there
+    is nothing to put back).
+
     Example:
         >>> keep = SkippedStepState(compression.state_variables())
         >>> saved = keep.save(grads)                          # replica context
@@ -112,7 +116,8 @@ class SkippedStepState:
         context = tf.distribute.get_replica_context()
         bad = 1.0 - tf.cast(_finite(grads), tf.float32)
         if communicates(context):
-            bad = context.all_reduce(tf.distribute.ReduceOp.SUM, bad)
+            with tf.name_scope(accounting.CHECK_SCOPE):  # wire_bytes names its bytes apart
+                bad = context.all_reduce(tf.distribute.ReduceOp.SUM, bad)
         return tf.equal(bad, 0.0), [tf.identity(v.read_value()) for v in self.variables]
 
     def restore_if_skipped(self, summed: Sequence, saved: tuple) -> list:

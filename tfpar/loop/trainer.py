@@ -70,6 +70,15 @@ def _aggregator_for(strategy, aggregator: GradientAggregator | None,
     return aggregator or AllReduce()
 
 
+def _skipped_step_state(state, skips: bool, nonfinite: str) -> SkippedStepState | None:
+    """With a stateful aggregator every replica agrees whether all gradients are finite: a
+    compressed sum can be finite with NaN left in one replica's state. Under skip (or fp16)
+    the state is also put back; under stop only the step is named (the run ends there)."""
+    if not state or (nonfinite == "ignore" and not skips):
+        return None
+    return SkippedStepState(state if skips else ())
+
+
 def _clip_norm(optimizer) -> float | None:
     """The optimizer's global_clipnorm, which the Trainer applies to the summed gradients
     (Keras's own clip, off while the Trainer traces its step, would see per-replica ones)."""
@@ -113,7 +122,10 @@ class Trainer:
         LossScaleOptimizer skips; counted in `skipped_steps`; a compression's state, such as
         its error feedback, stays as it was before that step) or "ignore". Under fp16 the
         LossScaleOptimizer already skips such steps (that is how it finds its scale), and
-        the compression's state is kept the same way.
+        the compression's state is kept the same way. With a stateful compression, stop
+        and skip see NaN in any one replica's own gradients even where the compressed sum
+        is finite (a held 1-bit Adam step, an unsent top-k entry): one scalar all-reduce
+        a step, as DeepSpeed's overflow check.
       xla: jit-compile forward + backward (default on). The compiled function is pure:
         it takes the variables' values as tensors (Keras `stateless_call`), which is what
         lets XLA run under MirroredStrategy too (a compiled function that captures mirrored
@@ -156,8 +168,8 @@ class Trainer:
                 synchronization=tf.VariableSynchronization.ON_READ,
                 aggregation=tf.VariableAggregation.SUM)
             self._guard = None if self._async else NonFiniteGuard(nonfinite)
-        state = self.aggregator.state_variables() if skips and not self._async else ()
-        self._skipped_step_state = SkippedStepState(state) if state else None
+        self._skipped_step_state = _skipped_step_state(
+            () if self._async else self.aggregator.state_variables(), skips, nonfinite)
         self.step = 0  # the next optimizer step; fit sets it from start_step
         # Exact shapes (no reduce_retracing): a static batch keeps every gradient's size
         # static, which XLA wants and which lets the wire bytes be counted before running.
@@ -309,7 +321,7 @@ class Trainer:
         """(mean loss, bad steps, first bad step) of `steps` synchronous steps."""
         # Each replica adds its loss to its own copy; one cross-replica sum per call, so a
         # step's only collectives are the gradients' (see wire_bytes), and with a stateful
-        # compressor under skip or fp16 one scalar (SkippedStepState).
+        # compressor one scalar (SkippedStepState; not under nonfinite="ignore").
         def reset():  # each replica its own copy: no collective
             for variable in (self._loss_sum, *self._guard.variables):
                 variable.assign(0.0)
@@ -354,6 +366,9 @@ class Trainer:
         depends on the data (sparse embedding gradients) are counted in
         `dynamic_collectives`, not in the bytes. `bytes_per_call`: what each call of
         `steps_per_loop` steps adds once (the cross-replica sum of the loss).
+        `check_bytes_per_step`: the part of `bytes_per_step` that is not gradient: the one
+        float32 with which replicas agree that every gradient is finite (with a stateful
+        compressor, see tfpar.loop.nonfinite.SkippedStepState).
 
         `step`: count the step traced for that step's phase (default: the current step;
         e.g. the last step of a run, after a compression warm-up has ended)."""
@@ -364,6 +379,7 @@ class Trainer:
         return {"bytes_per_step": sent, "fp32_bytes_per_step": dense,
                 "ratio": dense / sent if sent else float("inf"),
                 "bytes_per_call": accounting.bytes_per_replica(traced) - sent,  # the loss sum
+                "check_bytes_per_step": accounting.bytes_in_scope(found),
                 "dynamic_collectives": len(accounting.dynamic(found))}
 
     def _chunks(self, start: int, end: int) -> list[int]:
