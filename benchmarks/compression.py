@@ -118,6 +118,21 @@ CONFIGS = {
                                                               "warmup_steps": 200,
                                                               "factor_dtype": "bfloat16"}, True)
        for r in (3, 4)},
+    # gpt_tiny's frontier: the same start and schedule ending at rank 6 and 8 (with rank 4 below),
+    # to find the rank at which PowerSGD comes within 2% on 128-wide matrices, and its ratio there
+    "powersgd(6)+bf16+start120+16-8-6": ("powersgd", {"rank_schedule": "16@0,8@150,6@350", "warmup_steps": 120,
+                                                      "factor_dtype": "bfloat16"}, True),
+    "powersgd(8)+bf16+start120+16-8": ("powersgd", {"rank_schedule": "16@0,8@150", "warmup_steps": 120,
+                                                    "factor_dtype": "bfloat16"}, True),
+    # ... and without the embeddings (sent float32): do they hold the gap?
+    **{f"powersgd({r})+bf16+start120+16-8-{r}-emb": ("powersgd", {"rank_schedule": f"16@0,8@150,{r}@350",
+                                                                  "warmup_steps": 120,
+                                                                  "factor_dtype": "bfloat16"}, False)
+       for r in (4, 8)},
+    # ... and one rank from the start's end on: where does gpt_tiny's gap come from?
+    **{f"powersgd({r})+bf16+start120": ("powersgd", {"rank": r, "warmup_steps": 120, "factor_dtype": "bfloat16"},
+                                        True)
+       for r in (16, 32)},
     # gpt_wide's best PowerSGD (+1.85% at 51.5x) with its factors in bfloat16: twice the ratio
     "powersgd(4)+bf16+start120+16-8-4": ("powersgd", {"rank_schedule": "16@0,8@150,4@350", "warmup_steps": 120,
                                                       "factor_dtype": "bfloat16"}, True),
