@@ -369,6 +369,14 @@ def test_config_builds_the_new_compressors_and_refuses_what_cannot_work():
         config.compression_args.warmup_steps, config.compression_args.sparsity_warmup_steps = 0, 50
         refused(config, f"sparsity_warmup_steps: is dgc's density ramp; {name} has none")
         config.compression_args.sparsity_warmup_steps = 0
+    config.compression_args.stages = 8  # dgc's ramp: dgc_adam would ignore it
+    refused(config, "compression_args.stages: is read by dgc only; dgc_adam would ignore 8: drop it")
+    config.compression, config.compression_args.stages = "dgc", 4
+    config.compression_args.rank = 8
+    refused(config, "compression_args.rank: is read by powersgd only; dgc would ignore 8")
+    config.compression_args.overrides = "embed=powersgd"  # an override reads it
+    validate(config)
+    config.compression_args.rank, config.compression_args.overrides = 4, ""
     config.compression = "zip"
     refused(config, "'zip' is not one of .*dgc, onebit_adam")
     dgc = C.from_config("dgc", ratio=0.001, sparsity_warmup_steps=100, clip_norm=1.0, embeddings=True)

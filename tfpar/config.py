@@ -171,6 +171,25 @@ def _validate_compression(config) -> None:
     _require(start == "none" or not own_start, "compression_args.warmup_compression",
              f"applies to fp16/bf16/int8/topk/powersgd/sign/onebit_adam/dgc_adam (or overrides), not "
              f"{config.compression} (dgc and auto start their own way; none has no start).")
+    _refuse_unread_arguments(config.compression, ca)
+
+
+# compression_args that only some compressors read (an override naming one counts). Others
+# would ignore a value set for them; these are refused instead. The checks above name the rest.
+ARGUMENT_READERS = {"ratio": ("topk", "dgc", "dgc_adam"), "rank": ("powersgd",), "rank_schedule": ("powersgd",),
+                    "momentum": ("dgc", "dgc_adam"), "clip_norm": ("dgc", "onebit_adam", "dgc_adam"),
+                    "masking": ("dgc", "dgc_adam"), "stages": ("dgc",), "freeze_step": ("onebit_adam", "dgc_adam")}
+
+
+def _refuse_unread_arguments(compression: str, args) -> None:
+    """E.g. --config.compression=topk --config.compression_args.rank=8: rank is PowerSGD's."""
+    chosen = {compression, *(item.rpartition("=")[2].strip().lower()
+                             for item in args.overrides.split(",") if item.strip())}
+    defaults = base_config().compression_args
+    for key, readers in ARGUMENT_READERS.items():
+        _require(args[key] == defaults[key] or bool(chosen & set(readers)), f"compression_args.{key}",
+                 f"is read by {', '.join(readers)} only; {compression} would ignore {args[key]!r}: "
+                 f"drop it, or choose one of those (or name one in compression_args.overrides).")
 
 
 def _validate_model(config) -> None:
