@@ -224,6 +224,17 @@ def test_bytes_counted_in_the_graph_match_the_analytic_size(name, mlp_weights):
     assert wire["ratio"] >= expected_ratio, wire
 
 
+def test_the_finiteness_flag_is_named_apart_by_its_scope_only():
+    """A scope TensorFlow renamed (`_1`) is still the flag's; a look-alike is a gradient's."""
+    def op(name, size):
+        return accounting.Collective("CollectiveReduceV2", name, "/cpu:0", "float32", (), size)
+    found = [op(f"while/{accounting.CHECK_SCOPE}/CollectiveReduceV2", 4),
+             op(f"while/{accounting.CHECK_SCOPE}_1/CollectiveReduceV2", 4),
+             op(f"while/{accounting.CHECK_SCOPE}s/CollectiveReduceV2", 100),
+             op(f"while/grads/{accounting.CHECK_SCOPE}", 1000)]  # an op so named, not its scope
+    assert accounting.bytes_in_scope(found) == 8
+
+
 @pytest.mark.parametrize("name", ["topk", "powersgd", "sign", "int8"])
 def test_no_compressed_tensor_is_also_sent_dense(name, mlp_weights):
     strategy = mirrored(2)

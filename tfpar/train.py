@@ -122,8 +122,10 @@ def _positions(model, info: dict) -> int:
 
 def _wire_bytes(info, model, compression, trainer, train_data, asynchronous,
                 last_step: int) -> dict | None:
-    """Bytes per replica per step: counted from the traced step (loop), or the compressor's
-    analytic sizes (fit, whose step Keras traces; the loop's tests show the two agree)."""
+    """Bytes per replica per step: counted from the traced step (loop; with a stateful
+    compressor that includes the 4-byte finiteness flag, `check_bytes_per_step`), or the
+    compressor's analytic sizes (fit, whose step Keras traces; the loop's tests show that
+    the gradients' counted bytes equal them)."""
     from tfpar.compression import accounting
 
     if asynchronous or (info.replicas == 1 and info.num_workers == 1):

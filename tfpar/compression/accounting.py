@@ -37,7 +37,7 @@ COLLECTIVE_TYPES = COLLECTIVE_TYPES + TPU_COLLECTIVE_TYPES
 
 # The name scope of collectives that carry no gradient: the replicas' one-float agreement
 # that every gradient is finite (tfpar.loop.nonfinite). Counted, and also named apart.
-CHECK_SCOPE = "finite_check"
+CHECK_SCOPE = "tfpar_finite_check"
 # Bytes a worker transmits per byte it hands to the collective, on a ring / pairwise
 # exchange of R workers: what a link carries, unlike the handed bytes for a gather.
 LINK_FACTORS = {"reduce": lambda r: 2 * (r - 1) / r, "gather": lambda r: r - 1.0,
@@ -188,7 +188,8 @@ def dynamic(found: list[Collective]) -> list[Collective]:
 
 
 def _in_scope(op_name: str, scope: str) -> bool:
-    return scope in op_name.split("/")[:-1]
+    """Whether a path component is `scope` (or `scope_N`, as TensorFlow names a scope again)."""
+    return any(re.fullmatch(rf"{re.escape(scope)}(_\d+)?", part) for part in op_name.split("/")[:-1])
 
 
 def bytes_in_scope(found: list[Collective], scope: str = CHECK_SCOPE) -> int:

@@ -17,6 +17,8 @@ an aggregator overrides only what it needs and the Trainer never probes with `ha
 - `checkpoint_items()`: trackables (by name) saved and restored with the model.
 - `state_variables()`: per-replica state that a skipped step must leave as it was
   (error feedback, a compressor's moments); see tfpar.loop.nonfinite.SkippedStepState.
+  Declaring any also adds one scalar all-reduce a step (the replicas agree that every
+  gradient is finite), except under nonfinite="ignore".
 
 Example:
     >>> class Mine(GradientAggregator):
