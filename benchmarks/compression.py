@@ -617,7 +617,8 @@ def table(results: dict, bytes_only=()) -> list[dict]:
                    "link_bytes_per_worker": r["link_bytes_per_worker"], "step_s": r["step_time_s"],
                    "compute_s": r["compute_s"], "collective_s": r["collective_s"],
                    "achieved_link_mbit_s": r["achieved_link_mbit_s"], "final_val_loss": r["final_val_loss"],
-                   "time_to_quality_s": r.get("time_to_quality_s"), "train_s": r["train_s"]}
+                   "time_to_quality_s": r.get("time_to_quality_s"), "train_s": r["train_s"],
+                   "phase": r.get("phase", "")}  # the last step's: which rank PowerSGD ended at
             if none:
                 row["speedup"] = none["step_time_s"] / r["step_time_s"]
                 row["gap_vs_none"] = (r["final_val_loss"] - none["final_val_loss"]) / none["final_val_loss"]
@@ -627,17 +628,19 @@ def table(results: dict, bytes_only=()) -> list[dict]:
     return rows
 
 
-def is_goal_config(name: str) -> bool:
-    """Whether the goal speaks of this configuration: DGC/top-k, 1-bit Adam, and PowerSGD
-    ending at rank <= 4 (its last rank-schedule stage)."""
+def is_goal_config(name: str, phase: str = "") -> bool:
+    """Whether the goal speaks of this configuration: DGC/top-k, 1-bit Adam, and PowerSGD at
+    rank <= 4 at the run's last step (`phase`, as the JSON records it: "('compressed', 4)"
+    for a rank schedule's stage; a run that ended before its rank-4 stage is not scored)."""
     kind, args, _ = CONFIGS.get(name, (None, {}, False))
     if kind not in GOAL_KINDS:
         return False
     if kind != "powersgd":
         return True
-    schedule = args.get("rank_schedule")
-    last = int(schedule.split(",")[-1].split("@")[0]) if schedule else args.get("rank", 4)
-    return last <= GOAL_MAX_RANK
+    stage = re.search(r"'compressed', (\d+)", phase)
+    if stage:
+        return int(stage.group(1)) <= GOAL_MAX_RANK
+    return "warmup" not in phase and not args.get("rank_schedule") and args.get("rank", 4) <= GOAL_MAX_RANK
 
 
 def goals(rows: list[dict], equal_steps=True, bytes_only=()) -> dict:
@@ -652,7 +655,7 @@ def goals(rows: list[dict], equal_steps=True, bytes_only=()) -> dict:
             ttq = row.get("time_to_quality_vs_none")
             out[f"{row['run']}/auto"] = {f"time_to_quality<={1 + GOAL_AUTO_SLOWER:g}x_none":
                                          None if ttq is None else ttq <= 1 + GOAL_AUTO_SLOWER}
-        if not is_goal_config(row["config"]):
+        if not is_goal_config(row["config"], row.get("phase", "")):
             continue
         out[f"{row['run']}/{row['config']}"] = {
             f"bytes>={GOAL_RATIO:g}x": row["ratio"] >= GOAL_RATIO,

@@ -374,9 +374,16 @@ def test_config_builds_the_new_compressors_and_refuses_what_cannot_work():
     config.compression, config.compression_args.stages = "dgc", 4
     config.compression_args.rank = 8
     refused(config, "compression_args.rank: is read by powersgd only; dgc would ignore 8")
-    config.compression_args.overrides = "embed=powersgd"  # an override reads it
+    config.compression, config.compression_args.overrides = "topk", "embed=powersgd"  # an override reads it
+    config.optimizer.update(dict(name="adamw", clip_norm=1.0))
     validate(config)
-    config.compression_args.rank, config.compression_args.overrides = 4, ""
+    config.compression = "auto"  # which drops overrides
+    refused(config, "compression_args.rank: is read by powersgd only; auto would ignore 8")
+    config.compression, config.compression_args.rank_schedule = "powersgd", "8@0,4@300"
+    refused(config, "compression_args.rank: is ignored when rank_schedule is set")
+    config.compression, config.compression_args.overrides, config.compression_args.rank_schedule = "dgc", "", ""
+    config.compression_args.rank = 4
+    config.optimizer.update(dict(name="sgd", momentum=0.0, clip_norm=0.0))
     config.compression = "zip"
     refused(config, "'zip' is not one of .*dgc, onebit_adam")
     dgc = C.from_config("dgc", ratio=0.001, sparsity_warmup_steps=100, clip_norm=1.0, embeddings=True)

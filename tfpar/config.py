@@ -174,6 +174,7 @@ def _validate_compression(config) -> None:
     _refuse_unread_arguments(config.compression, ca)
 
 
+OVERRIDABLE = ("none", "fp16", "bf16", "int8", "topk", "powersgd", "sign")  # take compression_args.overrides
 # compression_args that only some compressors read (an override naming one counts). Others
 # would ignore a value set for them; these are refused instead. The checks above name the rest.
 ARGUMENT_READERS = {"ratio": ("topk", "dgc", "dgc_adam"), "rank": ("powersgd",), "rank_schedule": ("powersgd",),
@@ -183,13 +184,16 @@ ARGUMENT_READERS = {"ratio": ("topk", "dgc", "dgc_adam"), "rank": ("powersgd",),
 
 def _refuse_unread_arguments(compression: str, args) -> None:
     """E.g. --config.compression=topk --config.compression_args.rank=8: rank is PowerSGD's."""
+    overridden = compression in OVERRIDABLE  # the others refuse overrides (or drop them: auto)
     chosen = {compression, *(item.rpartition("=")[2].strip().lower()
-                             for item in args.overrides.split(",") if item.strip())}
+                             for item in args.overrides.split(",") if item.strip() and overridden)}
     defaults = base_config().compression_args
     for key, readers in ARGUMENT_READERS.items():
         _require(args[key] == defaults[key] or bool(chosen & set(readers)), f"compression_args.{key}",
                  f"is read by {', '.join(readers)} only; {compression} would ignore {args[key]!r}: "
                  f"drop it, or choose one of those (or name one in compression_args.overrides).")
+    _require(not (args.rank_schedule and args.rank != defaults.rank), "compression_args.rank",
+             f"is ignored when rank_schedule is set ({args.rank_schedule!r}): drop rank, or the schedule.")
 
 
 def _validate_model(config) -> None:
