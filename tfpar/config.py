@@ -184,9 +184,13 @@ ARGUMENT_READERS = {"ratio": ("topk", "dgc", "dgc_adam"), "rank": ("powersgd",),
 
 def _refuse_unread_arguments(compression: str, args) -> None:
     """E.g. --config.compression=topk --config.compression_args.rank=8: rank is PowerSGD's."""
-    overridden = compression in OVERRIDABLE  # the others refuse overrides (or drop them: auto)
-    chosen = {compression, *(item.rpartition("=")[2].strip().lower()
-                             for item in args.overrides.split(",") if item.strip() and overridden)}
+    from tfpar.compression import CompressionError, override_items
+
+    try:  # the others refuse overrides (or drop them: auto)
+        overrides = override_items(args.overrides) if compression in OVERRIDABLE else []
+    except CompressionError:
+        overrides = []  # a malformed item: from_config names it at build
+    chosen = {compression, *(name.lower() for _, name in overrides)}
     defaults = base_config().compression_args
     for key, readers in ARGUMENT_READERS.items():
         _require(args[key] == defaults[key] or bool(chosen & set(readers)), f"compression_args.{key}",

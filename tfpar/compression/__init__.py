@@ -96,15 +96,20 @@ def from_config(name: str, ratio: float = 0.01, rank: int = 4, min_size: int = 1
     return Compression(compressor, policy, reset_on_restore=reset_on_restore)
 
 
-def _parse_overrides(overrides: str, named) -> dict:
-    """"regex=name,regex=name" -> {regex: named(name)}."""
-    parsed = {}
+def override_items(overrides: str) -> list[tuple[str, str]]:
+    """"regex=name,regex=name" -> [(regex, name)], e.g. "embed=topk" -> [("embed", "topk")]."""
+    items = []
     for item in filter(None, (part.strip() for part in overrides.split(","))):
         pattern, sep, chosen = item.rpartition("=")
         if not sep or not pattern:
             raise CompressionError(f"compression_args.overrides item {item!r} is not 'regex=name'.")
-        parsed[pattern] = named(chosen.strip())
-    return parsed
+        items.append((pattern, chosen.strip()))
+    return items
+
+
+def _parse_overrides(overrides: str, named) -> dict:
+    """"regex=name,regex=name" -> {regex: named(name)}."""
+    return {pattern: named(chosen) for pattern, chosen in override_items(overrides)}
 
 
 def _skip_list(skip: str, embeddings: bool) -> tuple[str, ...] | None:
@@ -133,4 +138,4 @@ def check_config(config) -> str | None:
 
 __all__ = ["Auto", "BF16", "COMPRESSORS", "Compression", "CompressionError", "Compressor", "DGC", "FP16",
            "DGCAdam", "Int8", "NAMES", "NoCompression", "OneBitAdam", "Policy", "PowerSGD", "Sign", "TopK", "check_config", "compress_fit", "from_config",
-           "get"]
+           "get", "override_items"]

@@ -67,7 +67,7 @@ def collectives(concrete_function, checks: bool = True) -> list[Collective]:
     found: list[Collective] = []
     for graph in _all_graphs(concrete_function.graph).values():
         for op in graph.get_operations():
-            if op.type in COLLECTIVE_TYPES and (checks or not _in_scope(op.name, CHECK_SCOPE)):
+            if _counted(op, checks):
                 found.append(_describe(op))
     return found
 
@@ -146,7 +146,7 @@ def executed_bytes(concrete_function, in_loops_only: bool = False,
     def count(graph, counting: bool) -> collections.Counter:
         total = collections.Counter()
         for op in graph.get_operations():
-            if op.type in COLLECTIVE_TYPES and counting and (checks or not _in_scope(op.name, CHECK_SCOPE)):
+            if counting and _counted(op, checks):
                 total[op.device] += (_describe(op).bytes or 0) * (weight(op.type) if weight else 1)
             elif op.type in _BRANCHING:
                 branches = [count(g, counting) for g in functions(op, _BRANCHING[op.type])]
@@ -185,6 +185,11 @@ def analytic_link_bytes(handed: dict, replicas: int) -> float:
 def dynamic(found: list[Collective]) -> list[Collective]:
     """Collectives whose size depends on the data (e.g. an embedding's sparse gradient)."""
     return [c for c in found if c.bytes is None]
+
+
+def _counted(op, checks: bool) -> bool:
+    """A collective op, and not the finiteness check unless `checks`."""
+    return op.type in COLLECTIVE_TYPES and (checks or not _in_scope(op.name, CHECK_SCOPE))
 
 
 def _in_scope(op_name: str, scope: str) -> bool:
