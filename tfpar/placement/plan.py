@@ -332,10 +332,14 @@ def balanced(model, devices: Sequence[str],
                              "(any chunks), or layout='v' with chunks=2 (schedule='zb-v').")
     if parts > len(stages):
         most = len(stages) // len(devices)
+        fixes = [f"at most {len(stages) // chunks} devices"] if len(stages) >= chunks else []
+        if chunks > 1 and most >= 2:
+            fixes.append(f"chunks <= {most}")
+        elif chunks > 1 and most == 1:
+            fixes.append("chunks=1 (one group per device: schedule gpipe, 1f1b or zb-h1)")
         raise PlacementError(
             f"{len(devices)} devices x {chunks} chunks = {parts} stage groups, but the model has "
-            f"only {len(stages)} stages: use " + (f"chunks <= {most}, " if most >= 1 else "")
-            + "fewer devices, or a deeper model.")
+            f"only {len(stages)} stages: use " + ", ".join(fixes + ["or a deeper model" if fixes else "a deeper model"]) + ".")
     if isinstance(cost, Mapping):
         missing = [n for n, _ in stages if n not in cost]
         if missing:
