@@ -459,10 +459,12 @@ def test_auto_picks_none_on_a_fast_link_and_compression_on_a_slow_one():
 
 
 @pytest.mark.slow
-def test_auto_measures_at_build_becomes_its_choice_and_says_why(weights):
+def test_auto_measures_at_build_becomes_its_choice_and_says_why(weights, capsys):
     strategy = mirrored(2)
     slow = C.Auto(total_steps=20, link_s=10.0)  # a link measured as slow: compress
     _, trainer, dataset = train(strategy, weights, slow, momentum=0.9, steps=4)
+    said = capsys.readouterr().out  # printed, not logged: seen at any log level
+    assert said.count("compression=auto picked fp16: link 10.000 s") == 1, said
     assert isinstance(slow.chosen.compressor, C.FP16) and slow.boundaries() == ()
     assert slow.decision.startswith("fp16: link 10.000 s") and "powersgd" in slow.decision
     assert "the steps: left out" in slow.decision

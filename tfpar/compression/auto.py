@@ -7,8 +7,8 @@ forward + backward proxy of the model's matrices (each [n, m] kernel: a [tokens,
 
     time to quality = steps factor x (compute + link time x bytes / float32 bytes)
 
-and becomes the candidate with the smallest prediction, logging one line that says what
-and why. The steps factor is what a candidate costs in steps to reach the validation loss
+and becomes the candidate with the smallest prediction, printing one line that says what
+and why (on every worker, whatever the log level). The steps factor is what a candidate costs in steps to reach the validation loss
 that none reaches at the run's end (benchmarks/compression.py, gpt_wide, 2 workers):
 none and fp16 1.0; powersgd(4) with a 10%-of-steps uncompressed start ended 4.8% above
 none at 600 steps; given a 900-step run it reached none's final loss at step 800, 1.33x
@@ -31,7 +31,6 @@ import time
 from typing import Sequence
 
 import tensorflow as tf
-from absl import logging
 
 from tfpar.compression.compressed_aggregator import Compression
 from tfpar.compression.compressors import FP16, NoCompression
@@ -131,7 +130,7 @@ class Auto(Compression):
                          + ", ".join(f"{n} {p:.3f}" + (f" (needs {STEPS_FACTOR[n]:g}x the steps: left out)"
                                                       if STEPS_FACTOR[n] > 1 else "")
                                      for n, p in sorted(predicted.items(), key=lambda kv: kv[1])))
-        logging.info("compression=auto picked %s", self.decision)
+        print(f"compression=auto picked {self.decision}", flush=True)  # one line, whatever the log level
 
     def __call__(self, gradients, variables):
         return self.chosen(gradients, variables)
