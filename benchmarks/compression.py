@@ -195,9 +195,10 @@ SUITES = {
             # a fast link: auto must not cost more than 5%
             dict(link="1gbit", workers=2, configs="none,auto", steps=600, eval_every=100),
             # bytes per worker at 2 and 4 workers, counted from the traced step of each
-            # compressor's last phase in a 600-step run (10 steps trained: bytes only)
+            # compressor's last phase in a 600-step run (40 steps trained: bytes, and the
+            # loopback step timed over the 2 calls after the 2 warm-up calls)
             *(dict(link="loopback", workers=w, configs=f"none,onebit_adam,{BEST_ON_A_SLOW_LINK},dgc(0.001)",
-                   steps=10, eval_every=10, bytes_at_step=600) for w in (2, 4)),
+                   steps=40, eval_every=40, bytes_at_step=600) for w in (2, 4)),
         ],
     },
 }
@@ -374,7 +375,7 @@ def _train_one(name, args, config, splits, strategy, eval_data, eval_steps, say)
             curve.append([step, train_s, evaluate(model, strategy, eval_data, eval_steps)["loss"]])
             say(f"{name}: step {step} train {train_losses[-1]:.4f} val {curve[-1][2]:.4f} "
                 f"step {1000 * per_step[-1]:.0f} ms")
-    timed = per_step[args.warmup_calls:] or per_step
+    timed = per_step[args.warmup_calls:]  # sittings() refused runs too short to time
     median = statistics.median(timed)
     collective_s = max(median - compute_s, 0.0)
     return {**wire, "step_time_s": median, "step_times_s": per_step, "compute_s": compute_s,
@@ -748,6 +749,19 @@ def _run_link(link: str, workers: int, args, workdir: str, meta: dict) -> dict:
         teardown_link()
 
 
+def untimed(sitting: argparse.Namespace) -> str:
+    """Why `sitting` would time no step (its runs make no tf.function call after the
+    --warmup-calls left out), or ''."""
+    lengths = {sitting.steps, sitting.compressed_steps or sitting.steps}
+    calls = min(-(-n // sitting.steps_per_loop) for n in lengths)
+    if calls > sitting.warmup_calls:
+        return ""
+    return (f"{sitting.link}, {sitting.workers} workers: {min(lengths)} steps are {calls} call(s) of "
+            f"--steps-per-loop={sitting.steps_per_loop}, all left out of the timing by "
+            f"--warmup-calls={sitting.warmup_calls}: give at least "
+            f"{(sitting.warmup_calls + 1) * sitting.steps_per_loop} steps")
+
+
 def sittings(args) -> list[argparse.Namespace]:
     """What runs, one Namespace per (link, worker count): the command line's --links x
     --workers with its --configs and steps, or --suite's list (each sitting's own configs,
@@ -757,7 +771,7 @@ def sittings(args) -> list[argparse.Namespace]:
         return [argparse.Namespace(**{**vars(args), "link": link, "workers": int(w)})
                 for link in links for w in args.workers.split(",")]
     out = []
-    for sitting in SUITES[args.suite]["sittings"]:
+    for sitting in SUITES[args.suite]["sittings"]:  # each checked by untimed() in main
         configs = sitting["configs"].split(",")
         unknown = [c for c in configs if c not in CONFIGS]
         if unknown:
@@ -820,6 +834,9 @@ def main() -> None:
     elif "none" not in args.configs:
         args.configs.insert(0, "none")  # time to quality is measured against it
 
+    too_short = [why for why in map(untimed, sittings(args)) if why]
+    if too_short:
+        parser.error("; ".join(too_short))
     os.makedirs(args.out, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="tfpar_compression_")
     print(f"logs and per-worker results in {workdir}", flush=True)
