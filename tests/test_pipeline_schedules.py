@@ -155,6 +155,19 @@ def test_each_schedule_equals_the_unsplit_model(schedule, stages, micro_batches,
         assert all(prev[1] <= nxt[0] for prev, nxt in zip(spans, spans[1:])), d
 
 
+def test_the_first_groups_backward_splits_into_its_activation_chain_and_its_weight_gradients():
+    """The first group's input (token ids) has no gradient; its B is the activation chain back
+    to the embedding's output, its W the weight gradients, the embedding's among them."""
+    pipe = run("zb-h1", 2, 2)[0]
+    ops = pipe.unit_op_types()
+    products = {"MatMul", "BatchMatMulV2", "Einsum"}
+    for m in range(2):
+        b, w = ops[("B", 0, m)], ops[("W", 0, m)]
+        assert sum(t in products for t in b) >= 10, b  # dY W^T through three sublayers
+        assert sum(t in products for t in w) >= 10, w  # X^T dY of each kernel
+        assert "UnsortedSegmentSum" in w and "UnsortedSegmentSum" not in b  # the embedding's gradient
+
+
 @pytest.mark.parametrize("schedule", [pytest.param("1f1b", marks=pytest.mark.slow), "zb-h1"])
 def test_selective_recompute_keeps_the_numbers_and_saves_the_attention_core(schedule):
     saved = {}
@@ -255,8 +268,9 @@ def test_tpu_stage_variables_are_created_under_their_logical_core(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["interleaved", "zb-h1", "zb-v"])
-def test_a_trainer_with_each_schedule_trains_like_the_unsplit_model(schedule):
+@pytest.mark.parametrize("schedule,stages,remat", [(s, 2, "attention") for s in ("interleaved", "zb-h1", "zb-v")]
+                         + [(s, 4, False) for s in ("interleaved", "zb-h1", "zb-v")])
+def test_a_trainer_with_each_schedule_trains_like_the_unsplit_model(schedule, stages, remat):
     import keras
 
     from tfpar.loop import Trainer
@@ -269,12 +283,12 @@ def test_a_trainer_with_each_schedule_trains_like_the_unsplit_model(schedule):
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     sgd = lambda: keras.optimizers.SGD(0.1, momentum=0.9)  # noqa: E731
     Trainer(base, sgd(), loss, steps_per_loop=2).fit(dataset, steps=4)
-    plan = placement.balanced(base, DEVICES[:2], chunks=1 if schedule == "zb-h1" else 2,
+    plan = placement.balanced(base, DEVICES[:stages], chunks=1 if schedule == "zb-h1" else 2,
                               layout="v" if schedule == "zb-v" else "round_robin")
     with plan.scope():
         model = gpt()
     model.set_weights(initial)
-    pipe = placement.Pipeline(model, plan, micro_batches=4, schedule=schedule, remat="attention")
+    pipe = placement.Pipeline(model, plan, micro_batches=4, schedule=schedule, remat=remat)
     Trainer(model, sgd(), loss, placement=pipe, steps_per_loop=2).fit(dataset, steps=4)
     for a, b in zip(model.get_weights(), base.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

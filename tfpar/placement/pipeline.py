@@ -127,6 +127,7 @@ class Pipeline:
         self._sequence = self._data_order()
         self.timings_by_replica: dict[int, tf.Tensor] = {}
         self.activation_bytes: dict[int, int] = {}
+        self._traced = None  # replica 0's last traced graph and its units' op regions
 
     @property
     def timings(self):
@@ -143,6 +144,23 @@ class Pipeline:
         device); a full backward is B + W): what the order alone costs at those times."""
         span = schedules.simulate(self.order, len(self.groups), unit_times, split_backward=True)
         return schedules.bubble(span, self.devices)
+
+    def unit_op_types(self) -> dict[tuple, list[str]]:
+        """Per unit (kind, group, micro-batch), the types of the ops it ran in the last
+        traced step (replica 0): what each unit does, read from the graph.
+
+        Example:
+            >>> pipe.unit_op_types()[("W", 0, 0)]     # ['MatMul', ..., 'UnsortedSegmentSum']
+        """
+        if self._traced is None:
+            raise PlacementError("No step traced yet: call forward_backward inside tf.function first.")
+        graph, regions = self._traced
+        ops: dict[tuple, list[str]] = {}
+        for position, op in enumerate(graph.get_operations()):
+            unit = regions.unit_of(position, op.name)
+            if unit is not None:
+                ops.setdefault(unit, []).append(op.type)
+        return ops
 
     def _data_order(self) -> list[tuple]:
         """All units, each after its inputs' units and its device's previous unit."""
@@ -209,10 +227,13 @@ class Pipeline:
             manager.run_independently(stamp.op)
         return stamp
 
-    def _apply(self, s: int, h, training=True):
+    def _apply(self, s: int, h, training=True, after_first=None):
+        """The group's layers on `h`; `after_first(h)` sees the first layer's output."""
         def run(h):
-            for layer in self.groups[s]:
+            for i, layer in enumerate(self.groups[s]):
                 h = layer(h, training=training)
+                if i == 0 and after_first is not None:
+                    after_first(h)
             return h
         if self.remat == "full":
             return tf.recompute_grad(run)(h)
@@ -239,6 +260,7 @@ class Pipeline:
         if self.record:
             self.timings_by_replica[replica] = tf.stack(step.stamps)
         if replica == 0 and step.graph is not None:
+            self._traced = (step.graph, step.regions)
             self.activation_bytes, unknown = activations.peak_bytes(
                 step.graph, step.regions, self.order, self.plan.device_index)
             if unknown:
@@ -299,26 +321,35 @@ class _Step:
         if self.graph is not None:
             self.regions.seeds[("F", g, m)] = h_in.op
         tape = tf.GradientTape(persistent=False)
+        first_out = []  # the first group's B target: its first layer's output (see _backward)
+        after_first = first_out.append if g == 0 and self.pipe.split and len(self.pipe.groups[0]) > 1 else None
         with tape:
             if g > 0:
                 tape.watch(h_in)
-            out = self.pipe._apply(g, h_in)
+            out = self.pipe._apply(g, h_in, after_first=after_first)
             if g == len(self.pipe.groups) - 1:
                 out = self.losses[m] = self.loss_fn(self.ys[m], out, self.ws[m])
-        self.tapes[(g, m)], self.inputs[(g, m)], self.outputs[(g, m)] = tape, h_in, out
+        self.tapes[(g, m)], self.outputs[(g, m)] = tape, out
+        self.inputs[(g, m)] = h_in if g > 0 else (first_out[0] if first_out else None)
         return [out]
 
     def _backward(self, g, m, upstream, deps):
-        """The stage's backward (zb-h1, zb-v: all of it is built here, the W part set aside)."""
+        """The stage's backward (zb-h1, zb-v: all of it is built here, the W part set aside).
+
+        B is the gradient of the group's input; in the first group, whose input (token ids,
+        say) has none, it is the gradient of its first layer's output: the activation chain
+        through the group, as in the zero-bubble paper, so the first device's B is not empty
+        with all of its backward left to W."""
         variables = self.pipe.group_variables(g)
-        sources = variables + ([self.inputs[(g, m)]] if g > 0 else [])
+        target = self.inputs[(g, m)]  # the group's input, or (first group, split) its first layer's output
+        sources = variables + ([target] if target is not None else [])
         first = len(self.graph.get_operations()) if self.pipe.split else 0
         with tf.control_dependencies(deps):
             result = self.tapes.pop((g, m)).gradient(self.outputs[(g, m)], sources,
                                                      output_gradients=upstream)
             weight_grads = [tf.convert_to_tensor(r) if r is not None else None
                             for r in result[:len(variables)]]
-        input_grad = result[-1] if g > 0 else None
+        input_grad = result[-1] if target is not None else None
         if g > 0:
             self.grads_in[(g, m)] = input_grad
         if not self.pipe.split:
