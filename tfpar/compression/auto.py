@@ -109,7 +109,7 @@ class Auto(Compression):
         self.chosen: Compression | None = None
         self.decision = ""
 
-    def build(self, variables: Sequence[tf.Variable]) -> None:
+    def _build_state(self, variables: Sequence[tf.Variable]) -> None:
         strategy = tf.distribute.get_strategy()
         size = sum(int(v.shape.num_elements()) for v in variables)
         communicates = strategy.num_replicas_in_sync > 1 or getattr(strategy.extended, "_num_workers", 1) > 1

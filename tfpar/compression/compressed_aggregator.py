@@ -28,14 +28,19 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from absl import logging
+
 from tfpar.compression import dgc as dgc_lib
+from tfpar.compression import replica_state
 from tfpar.compression.compressors import (CompressionError, Compressor, GatherCompressor,
                                            ReduceCompressor)
 from tfpar.compression.dgc import DGC
 from tfpar.compression.policy import Policy
 from tfpar.compression.powersgd import PowerSGD
+from tfpar.compression.replica_state import per_replica
 from tfpar.loop.aggregation import GradientAggregator, communicates, densify_if_smaller
 
+PER_REPLICA = "per_replica"  # the checkpoint child holding every replica's state
 SIZE_EXCHANGE_BYTES = 8  # every all_gather first gathers its input's shape: 2 x int32 here
 
 
@@ -62,7 +67,12 @@ class Compression(tf.Module, GradientAggregator):
     # -- set-up (cross-replica context, under strategy.scope()) -------------------------
 
     def build(self, variables: Sequence[tf.Variable]) -> None:
-        """Chooses a compressor per variable and creates the per-replica state."""
+        """Chooses a compressor per variable and creates the per-replica state (a checkpoint
+        restored before this lands in it now)."""
+        self._build_state(variables)
+        self._replica_state().refresh()
+
+    def _build_state(self, variables: Sequence[tf.Variable]) -> None:
         self.paths = [getattr(v, "path", v.name) for v in variables]
         for path, v in zip(self.paths, variables):
             wanted = self.policy.wanted(path, tuple(v.shape), self.compressor)
@@ -77,11 +87,13 @@ class Compression(tf.Module, GradientAggregator):
         for index, (path, variable, chosen) in enumerate(zip(self.paths, variables, self.plan)):
             slots = {}
             if isinstance(self.compressor, DGC):  # momentum for every tensor
-                slots["velocity"] = _per_replica(tf.zeros(variable.shape, tf.float32), "velocity")
+                # local where the tensor is compressed, agreed (the same everywhere) where not
+                slots["velocity"] = per_replica(tf.zeros(variable.shape, tf.float32), "velocity",
+                                                replica_state.SUM if chosen is not None else replica_state.SAME)
             if chosen is not None and chosen.error_feedback:
-                slots["residual"] = _per_replica(tf.zeros(variable.shape, tf.float32), "residual")
+                slots["residual"] = per_replica(tf.zeros(variable.shape, tf.float32), "residual", replica_state.SUM)
             if isinstance(chosen, PowerSGD):
-                slots["q"] = _per_replica(chosen.initial_q(variable.shape, index), "q")
+                slots["q"] = per_replica(chosen.initial_q(variable.shape, index), "q", replica_state.SAME)
             if slots:
                 self.state[_state_name(index, path)] = slots
 
@@ -116,6 +128,35 @@ class Compression(tf.Module, GradientAggregator):
     def checkpoint_items(self) -> dict:
         """What the Trainer adds to its checkpoint (nothing with reset_on_restore)."""
         return {} if self.reset_on_restore or not self.state else {"compression": self}
+
+    # -- checkpoints: every replica's state (tfpar.compression.replica_state) ------------
+
+    def _replica_state(self) -> replica_state.ReplicaState:
+        state = self.__dict__.get("_per_replica_child")
+        if state is None:  # not an attribute tf.Module tracks
+            state = replica_state.ReplicaState(self)
+            object.__setattr__(self, "_per_replica_child", state)
+        return state
+
+    def legacy_children(self) -> dict:
+        """What tf.Module tracks: the state by attribute path (older checkpoints hold these)."""
+        return super()._trackable_children(save_type="checkpoint")
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        if save_type != "checkpoint":
+            return super()._trackable_children(save_type, **kwargs)
+        return {PER_REPLICA: self._replica_state()}
+
+    def _lookup_dependency(self, name, cached_dependencies=None):
+        """In a restore (`cached_dependencies` given): the per-replica state, or a checkpoint
+        written before it, read by its old rule: each replica gets the mean (said once)."""
+        if cached_dependencies is None or name == PER_REPLICA:
+            return super()._lookup_dependency(name, cached_dependencies)
+        if not self.__dict__.get("_said_mean_rule"):
+            object.__setattr__(self, "_said_mean_rule", True)
+            logging.warning("tfpar: this checkpoint holds compression state as one mean over replicas "
+                            "(written before per-replica state): every replica restores that mean.")
+        return self.legacy_children().get(name)
 
     # -- warm-up: the Trainer traces one step per phase ----------------------------------
 
@@ -276,12 +317,6 @@ def _all_gather_words(context, words: tf.Tensor) -> tf.Tensor:
 def _dense(gradient, variable) -> tf.Tensor:
     """float32, dense, with the variable's static shape (a sparse gradient has none)."""
     return tf.ensure_shape(tf.cast(tf.convert_to_tensor(gradient), tf.float32), variable.shape)
-
-
-def _per_replica(initial: tf.Tensor, name: str) -> tf.Variable:
-    return tf.Variable(initial, trainable=False, name=name,
-                       synchronization=tf.VariableSynchronization.ON_READ,
-                       aggregation=tf.VariableAggregation.MEAN)
 
 
 def _check_dtype_support(compressor: Compressor, strategy: tf.distribute.Strategy) -> None:

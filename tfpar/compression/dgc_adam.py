@@ -39,7 +39,8 @@ from typing import Sequence
 import tensorflow as tf
 
 from tfpar.compression import gather
-from tfpar.compression.compressed_aggregator import SIZE_EXCHANGE_BYTES, _per_replica
+from tfpar.compression.compressed_aggregator import SIZE_EXCHANGE_BYTES
+from tfpar.compression.replica_state import MEAN, SAME, per_replica
 from tfpar.compression.compressors import CompressionError
 from tfpar.compression.dgc import DGC, decode_sum, top_k_words
 from tfpar.compression.onebit_adam import OneBitAdam
@@ -69,14 +70,16 @@ class DGCAdam(OneBitAdam):
         velocity = f", momentum={self.momentum:g}" if self.momentum else ""
         return f"dgc_adam({self.ratio:g}, freeze={self.freeze_step}{velocity}{start})"
 
-    def build(self, variables: Sequence[tf.Variable]) -> None:
+    def _build_state(self, variables: Sequence[tf.Variable]) -> None:
         self.size = self._build_moments(variables)
         self.k = DGC.k(self.size, self.ratio) if self.size else 0
-        self.accumulated = _per_replica(tf.zeros([self.size]), "accumulated")
+        # each replica's accumulation and velocity estimate the whole (R g): the model gets
+        # their mean, which another replica count keeps
+        self.accumulated = per_replica(tf.zeros([self.size]), "accumulated", MEAN)
         if self.momentum:
-            self.velocity = _per_replica(tf.zeros([self.size]), "velocity")
+            self.velocity = per_replica(tf.zeros([self.size]), "velocity", MEAN)
             # 1 once a compressed step has run (the optimizer's step can lag trainer.step: skipped steps)
-            self.velocity_started = _per_replica(tf.constant(0.0), "velocity_started")
+            self.velocity_started = per_replica(tf.constant(0.0), "velocity_started", SAME)
 
     @property
     def padded(self) -> int:

@@ -42,7 +42,8 @@ from typing import Sequence
 import tensorflow as tf
 
 from tfpar.compression import accounting, collectives, two_phase
-from tfpar.compression.compressed_aggregator import Compression, _check_dtype_support, _dense, _per_replica
+from tfpar.compression.compressed_aggregator import Compression, _check_dtype_support, _dense
+from tfpar.compression.replica_state import SAME, THIS_COUNT, per_replica
 from tfpar.compression.compressors import CompressionError, Sign
 from tfpar.compression.dgc import _sgd_class
 from tfpar.compression.policy import Policy, start_compressor
@@ -92,20 +93,21 @@ class OneBitAdam(Compression):
 
     # -- contract --------------------------------------------------------------------------
 
-    def build(self, variables: Sequence[tf.Variable]) -> None:
+    def _build_state(self, variables: Sequence[tf.Variable]) -> None:
         size = self._build_moments(variables)
         self.padded = two_phase.padded_size(size, self.replicas) if size else 0
         # The error buffers are padded for R replicas, so they are checkpointed under a name
         # with R in it: under another replica count they start at zero (DeepSpeed resets them
         # on every load) instead of failing on their shapes; m, v and the step restore.
+        # Under the same count each replica gets its own buffers back.
         errors = tf.Module(name="errors")
-        errors.worker = _per_replica(tf.zeros([self.padded]), "worker_error")
-        errors.server = _per_replica(tf.zeros([self.padded // self.replicas]), "server_error")
+        errors.worker = per_replica(tf.zeros([self.padded]), "worker_error", THIS_COUNT)
+        errors.server = per_replica(tf.zeros([self.padded // self.replicas]), "server_error", THIS_COUNT)
         if self.exchange_every > 1:  # what the agreed momentum missed since the last exchange
-            errors.pending = _per_replica(tf.zeros([self.padded]), "pending")
+            errors.pending = per_replica(tf.zeros([self.padded]), "pending", THIS_COUNT)
         self._errors_name = f"errors_for_{self.replicas}_replicas"
         setattr(self, self._errors_name, errors)
-        self.error_replicas = _per_replica(tf.constant(float(self.replicas)), "error_replicas")
+        self.error_replicas = per_replica(tf.constant(float(self.replicas)), "error_replicas", SAME)
 
     def _build_moments(self, variables: Sequence[tf.Variable]) -> int:
         """Adam's m, v and step for every variable, and which ones the policy compresses;
@@ -117,9 +119,9 @@ class OneBitAdam(Compression):
         paths = [getattr(v, "path", v.name) for v in variables]
         self.compressed = [self.policy.choose(p, tuple(v.shape), Sign()) is not None
                            for p, v in zip(paths, variables)]
-        self.m = [_per_replica(tf.zeros(v.shape), "m") for v in variables]
-        self.v = [_per_replica(tf.zeros(v.shape), "v") for v in variables]
-        self.iterations = _per_replica(tf.constant(0.0), "iterations")
+        self.m = [per_replica(tf.zeros(v.shape), "m", SAME) for v in variables]  # agreed: the same everywhere
+        self.v = [per_replica(tf.zeros(v.shape), "v", SAME) for v in variables]
+        self.iterations = per_replica(tf.constant(0.0), "iterations", SAME)
         return sum(int(v.shape.num_elements()) for v, c in zip(variables, self.compressed) if c)
 
     @property
