@@ -165,3 +165,16 @@ def test_a_checkpoint_from_before_restores_the_mean_and_says_so(tmp_path, mlp_we
         for value in values:
             np.testing.assert_allclose(value, np.mean(saved[name], 0), rtol=1e-6, atol=1e-8, err_msg=name)
     assert "written before per-replica state): every replica restores that mean" in caplog.text
+
+
+@pytest.mark.multiprocess
+def test_two_workers_checkpoint_and_restore_their_own_state(tmp_path):
+    """multi_worker_mirrored, two processes: the checkpoint gathers both workers' residuals
+    (each its own row), and each worker restores its own."""
+    from procs import launch
+
+    result = launch(2, "compression_checkpoint_worker.py", str(tmp_path), timeout=240)
+    assert result.returncode == 0, result.stdout[-4000:]
+    for worker in (0, 1):
+        assert (f"[worker:{worker}] CKPT worker={worker} step=3 rows=[2] own_row=True rows_differ=True "
+                "restored=True") in result.stdout, result.stdout[-4000:]
