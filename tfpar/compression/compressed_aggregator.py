@@ -11,10 +11,13 @@ DGC (tfpar.compression.dgc) takes the whole step (momentum correction touches ev
 tensor). DGC's density warm-up and PowerSGD's rank schedule are stages after the
 policy's uncompressed start: each stage is a phase, traced once, with static sizes.
 
-Error-feedback residuals, DGC's velocities and PowerSGD's warm-start Q are variables with one copy per
-replica (ON_READ). They are checkpointed with the model: a checkpoint stores their mean
-over replicas and a restore gives each replica that mean, so the total residual (what the
-replicas still owe the model) is kept; `reset_on_restore=True` leaves them out instead.
+Error-feedback residuals, DGC's velocities and PowerSGD's warm-start Q are variables with
+one copy per replica (ON_READ). They are checkpointed with the model replica by replica
+(tfpar.compression.replica_state): a restore under the same replica count gives each
+replica its own copy back exactly; under another count the sum still owed is split evenly
+and Q (the same everywhere) restores exactly. Checkpoints that hold one mean per variable
+(written before) restore that mean into every replica; `reset_on_restore=True` leaves the
+state out instead.
 
 Example:
     >>> trainer = Trainer(model, optimizer, loss, strategy=strategy,

@@ -17,9 +17,14 @@ Under another replica count each variable follows the rule it was created with (
 - SAME: identical on every replica (PowerSGD's Q, Adam's m and v, counters): row 0, exact.
 - THIS_COUNT: meaningful under this replica count only: another count is refused by name.
 
+Compression checkpoints a ReplicaState (one ReplicaValue per state variable) in place of
+the variables themselves; it reads a checkpoint from before (one mean per variable) by that
+older rule.
+
 Example:
     >>> residual = per_replica(tf.zeros([4]), "residual", SUM)
-    >>> module.replica_state = ReplicaState(module)   # its children: one ReplicaValue each
+    >>> state = ReplicaState(compression)    # children: a ReplicaValue per state variable
+    >>> state.refresh()                      # after build: a deferred restore lands now
 """
 
 from __future__ import annotations
@@ -28,7 +33,6 @@ from typing import Callable, Iterator
 
 import tensorflow as tf
 from absl import logging
-from tensorflow.python.trackable import base as trackable_base  # no public Trackable type
 
 from tfpar.compression.compressors import CompressionError
 
@@ -110,7 +114,7 @@ def _refusal(name: str, saved, replicas: int) -> str:
             "reset_on_restore=True) so that it starts at zero.")
 
 
-class ReplicaValue(trackable_base.Trackable):
+class ReplicaValue(tf.__internal__.tracking.Trackable):
     """One per-replica variable in a checkpoint, as its stacked rows (see module docstring)."""
 
     def __init__(self, variable: tf.Variable, name: str, say: Callable[[int, int], None]):
@@ -171,7 +175,7 @@ def state_by_path(owner, prefix: str = "") -> Iterator[tuple[str, tf.Variable]]:
             yield from state_by_path(child, path + "/")
 
 
-class ReplicaState(trackable_base.Trackable):
+class ReplicaState(tf.__internal__.tracking.Trackable):
     """The checkpoint child that holds `owner`'s per-replica variables, one ReplicaValue
     each, named by attribute path. `refresh()` after the owner builds its state: a restore
     that ran before (deferred) then lands in the new variables."""

@@ -23,6 +23,11 @@ Touches:
   targets of `tfpar.strategy.keras_fixes` (`trainer_module`, `optimizer_class`).
 - `tensorflow.python.distribute.sharded_variable.ShardedVariable`: no public type to test
   a variable against (`is_sharded`).
+- `tf.__internal__.tracking.Trackable`'s hooks `_serialize_to_tensors`,
+  `_restore_from_tensors`, `_trackable_children`, `_lookup_dependency` and
+  `_handle_deferred_dependencies` (TensorFlow's documented way to shape what a checkpoint
+  holds; no public one): compression state is checkpointed replica by replica
+  (`tfpar.compression.replica_state`, `Compression`).
 
 Example:
     >>> with private_api.trainer_step(optimizer):   # while tracing tfpar's step
