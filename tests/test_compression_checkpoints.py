@@ -145,7 +145,8 @@ def test_count_bound_state_is_refused_by_name_also_in_a_traced_restore():
     traced(owed)(saved)
     for copy in four.experimental_local_results(owed):
         np.testing.assert_allclose(copy.numpy(), [3 / 4, 5 / 4, 7 / 4])
-    with pytest.raises(tf.errors.InvalidArgumentError, match="resume with another number of replicas"):
+    with pytest.raises(tf.errors.InvalidArgumentError, match="under another replica count and means "
+                                                             "nothing under 4: resume with the replica count that"):
         traced(bound)(saved)
 
 

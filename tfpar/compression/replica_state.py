@@ -107,10 +107,13 @@ def _rejoined(saved: tf.Tensor, replicas: int, rule: str, name: str) -> tf.Tenso
     raise CompressionError(_refusal(name, saved.shape[0], replicas))
 
 
-def _refusal(name: str, saved, replicas: int) -> str:
-    return (f"Compression state {name!r} was checkpointed with {saved} replicas and means nothing "
-            f"under {replicas}: resume with {saved} replicas, or restore without the compression "
-            "state (Compression(..., reset_on_restore=True), --config.compression_args."
+def _refusal(name: str, saved: int | None, replicas: int) -> str:
+    """The refusal of count-bound state from `saved` replicas (None: not known here)."""
+    written = f"with {saved} replicas" if saved is not None else "under another replica count"
+    again = f"{saved} replicas" if saved is not None else "the replica count that wrote it"
+    return (f"Compression state {name!r} was checkpointed {written} and means nothing under "
+            f"{replicas}: resume with {again}, or restore without the compression state "
+            "(Compression(..., reset_on_restore=True), --config.compression_args."
             "reset_on_restore=True) so that it starts at zero.")
 
 
@@ -154,7 +157,7 @@ class ReplicaValue(tf.__internal__.tracking.Trackable):
         # a traced restore (several tasks): the saved count is known only when it runs
         same = tf.equal(tf.shape(saved)[0], replicas)
         if self.rule == THIS_COUNT:
-            check = tf.debugging.Assert(same, [_refusal(self.name, "another number of", replicas)])
+            check = tf.debugging.Assert(same, [_refusal(self.name, None, replicas)])
             with tf.control_dependencies([check]):
                 return tf.identity(saved[index])
         return tf.cond(same, lambda: saved[index], lambda: _rejoined(saved, replicas, self.rule, self.name))
