@@ -44,15 +44,20 @@ def save(trainer, tmp_path) -> str:
     return tf.train.Checkpoint(**trainer.checkpoint_items()).save(str(tmp_path / "ckpt"))
 
 
-def test_every_replica_gets_its_own_state_back(tmp_path, mlp_weights):
+@pytest.fixture(scope="module")
+def topk_two(mlp_weights, tmp_path_factory):
+    """(strategy, trainer, its per-replica state, its checkpoint): topk on 2 replicas, 3 steps."""
+    strategy = mirrored(2)
+    trainer = trained(strategy, C.TopK(0.05), mlp_weights)
+    return strategy, trainer, per_replica(trainer.aggregator, strategy), save(trainer, tmp_path_factory.mktemp("topk"))
+
+
+def test_every_replica_gets_its_own_state_back(topk_two, mlp_weights):
     """Two replicas on different data owe different residuals; a restore into fresh objects
     gives each its own, bit for bit (not their mean), also when it runs before the state
     exists (restored when the Trainer builds it)."""
-    strategy = mirrored(2)
-    trainer = trained(strategy, C.TopK(0.05), mlp_weights)
-    saved = per_replica(trainer.aggregator, strategy)
+    strategy, _, saved, path = topk_two
     assert saved and all(np.abs(a - b).max() > 0 for a, b in saved.values())
-    path = save(trainer, tmp_path)
     restored = fresh(strategy, C.TopK(0.05), mlp_weights)
     tf.train.Checkpoint(compression=restored).restore(path).assert_consumed()
     early = C.Compression(C.TopK(0.05))
@@ -150,12 +155,10 @@ def test_count_bound_state_is_refused_by_name_also_in_a_traced_restore():
         traced(bound)(saved)
 
 
-def test_a_checkpoint_from_before_restores_the_mean_and_says_so(tmp_path, mlp_weights, caplog):
+def test_a_checkpoint_from_before_restores_the_mean_and_says_so(topk_two, tmp_path, mlp_weights, caplog):
     """A checkpoint written with the mean rule (tf.Module's own tracking: one mean per
     variable) restores that mean into every replica, and says so."""
-    strategy = mirrored(2)
-    trainer = trained(strategy, C.TopK(0.05), mlp_weights)
-    saved = per_replica(trainer.aggregator, strategy)
+    strategy, trainer, saved, _ = topk_two
     before = tf.Module()
     before.state = trainer.aggregator.state  # the layout those checkpoints have
     path = tf.train.Checkpoint(compression=before).save(str(tmp_path / "before"))
