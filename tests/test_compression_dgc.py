@@ -271,19 +271,22 @@ def test_a_start_compressor_that_cannot_start_is_refused_by_name():
     assert C.from_config("onebit_adam", freeze_step=7, warmup_compression="fp16").warmup_compressor.name == "fp16"
 
 
-def test_powersgd_full_rank_stage_is_exact_and_leaves_nothing_behind():
+def test_powersgd_at_full_rank_is_exact():
+    """At rank min(n, m) the summed approximation is the sum itself. The policy never sends a
+    full rank (it saves no bytes: refused, or left in float32), so this is the math alone."""
     strategy = mirrored(2)
     rng = np.random.RandomState(4)
     per_replica = rng.normal(size=(2, 12, 40)).astype("float32")
+    psgd = C.PowerSGD(rank=12)
     with strategy.scope():
-        variables = [tf.Variable(tf.zeros([12, 40]))]
-        compression = C.Compression(C.PowerSGD(rank_schedule={0: 12, 5: 2}), C.Policy(min_size=0))
-        compression.build(variables)
-    compression.set_phase(("compressed", 12))
-    results = run_per_replica(strategy, lambda r, g: compression([tf.gather(g, r)], variables),
-                              tf.constant(per_replica))
-    for replica in results:
-        np.testing.assert_allclose(replica[0], per_replica.sum(0), rtol=1e-4, atol=1e-4)
+        q = C.replica_state.per_replica(psgd.initial_q((12, 40), 0), "q", C.replica_state.SAME)
+
+    def replica(r, g):
+        context = tf.distribute.get_replica_context()
+        return psgd.aggregate([tf.gather(g, r)], [q], lambda xs: context.all_reduce(tf.distribute.ReduceOp.SUM, xs))[0]
+
+    for total in run_per_replica(strategy, replica, tf.constant(per_replica)):
+        np.testing.assert_allclose(total, per_replica.sum(0), rtol=1e-4, atol=1e-4)
 
 
 def test_powersgd_bad_schedules_and_ranks_are_refused_at_start():
@@ -298,6 +301,18 @@ def test_powersgd_bad_schedules_and_ranks_are_refused_at_start():
         compression.build([tf.Variable(tf.zeros([6, 50]), name="thin")])
     with pytest.raises(C.CompressionError, match="does not take"):
         C.get("powersgd", ratio=0.1)
+    square = C.Compression(C.PowerSGD(rank=8), C.Policy(min_size=0))  # 8 x (16 + 16) = 16 x 16
+    with pytest.raises(C.CompressionError, match=r"no fewer floats .* \(16x16\)\): use a rank of at most 7"):
+        square.build([tf.Variable(tf.zeros([16, 16]), name="square")])
+
+
+def test_powersgd_names_the_matrices_its_rank_leaves_in_float32(caplog):
+    compression = C.Compression(C.PowerSGD(rank=8), C.Policy(min_size=0))
+    with caplog.at_level("WARNING"):
+        compression.build([tf.Variable(tf.zeros([16, 16]), name="small"), tf.Variable(tf.zeros([64, 64]), name="big")])
+    assert [type(c).__name__ if c else None for c in compression.plan] == [None, "PowerSGD"]
+    said = [r.getMessage() for r in caplog.records if "float32, where rank 8" in r.getMessage()]
+    assert len(said) == 1 and "leaves 1 matrix" in said[0] and "small" in said[0] and "big" not in said[0], said
 
 
 # -- two worker processes --------------------------------------------------------------------

@@ -77,12 +77,16 @@ class Compression(tf.Module, GradientAggregator):
 
     def _build_state(self, variables: Sequence[tf.Variable]) -> None:
         self.paths = [getattr(v, "path", v.name) for v in variables]
+        dense = []  # matrices PowerSGD was asked for, where its rank would send no fewer floats
         for path, v in zip(self.paths, variables):
             wanted = self.policy.wanted(path, tuple(v.shape), self.compressor)
             if isinstance(wanted, PowerSGD):
                 wanted.check_shape(path, tuple(v.shape))
+                if len(v.shape) >= 2 and not wanted.applies_to(tuple(v.shape)):
+                    dense.append((wanted, path, wanted.matrix_shape(tuple(v.shape))))
         self.plan = [self.policy.choose(path, tuple(v.shape), self.compressor)
                      for path, v in zip(self.paths, variables)]
+        _say_dense_matrices(dense, compressed=any(isinstance(c, PowerSGD) for c in self.plan))
         sent = (*self.plan, self.policy.start())  # the start and every compressor chosen (overrides too)
         for compressor in {repr(c): c for c in sent if c is not None}.values():
             _check_dtype_support(compressor, tf.distribute.get_strategy())
@@ -315,6 +319,25 @@ def _all_gather_words(context, words: tf.Tensor) -> tf.Tensor:
     from tfpar.compression import gather  # pylint: disable=import-outside-toplevel
 
     return gather.all_gather_words(context, words)
+
+
+def _say_dense_matrices(dense: list, compressed: bool) -> None:
+    """Refuses a PowerSGD rank that compresses no matrix at all; names the matrices it
+    leaves in float32 otherwise (there rank x (n + m) >= n x m: it would send more)."""
+    if not dense:
+        return
+    chosen = dense[0][0]
+    listed = ", ".join(f"{path} ({n}x{m})" for _, path, (n, m) in dense[:4]) + (
+        f" and {len(dense) - 4} more" if len(dense) > 4 else "")
+    if not compressed:
+        most = max((n * m - 1) // (n + m) for _, _, (n, m) in dense)
+        raise CompressionError(
+            f"{chosen!r} would send no fewer floats than float32 for any matrix it was asked to "
+            f"compress (rank x (n + m) >= n x m for {listed}): use a rank of at most {most}, "
+            "or compression='none'.")
+    logging.warning("tfpar: %r leaves %d matri%s in float32, where rank %d would send no fewer "
+                    "floats: %s.", chosen, len(dense), "x" if len(dense) == 1 else "ces",
+                    chosen.max_rank, listed)
 
 
 def _dense(gradient, variable) -> tf.Tensor:
