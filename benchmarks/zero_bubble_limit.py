@@ -8,9 +8,9 @@ zb-h1 order built for those times and 1F1B at the same times, three ways:
 - as measured: the plan's real split of the work between the two devices;
 - balanced: each device's units scaled so both do the same work a step, keeping each
   device's own F : B : W ratio (what a cut fine enough to balance would give on this CPU);
-- GPU-like (in units of F, not seconds): balanced, with B + W = 2 F (F = B = W; the first
-  device, whose input is token ids, has no B and W = 2 F), the ratio the zero-bubble paper
-  assumes.
+- GPU-like (in units of F, not seconds): balanced, with F = B = W on both devices (the
+  first device's B is its activation chain back to the embedding's output), the ratio the
+  zero-bubble paper assumes.
 The least zb-h1 / 1F1B bubble ratio each way is what no order can beat at those times.
 """
 
@@ -59,7 +59,7 @@ def main() -> None:
     row = max(rows, key=lambda r: r["micro_batches"])
     m = row["micro_batches"]
     measured = {(name[0], int(name[1:])): max(ms / 1000, 1e-9) for name, ms in row["unit_ms"].items()}
-    gpu_like = {("F", 0): 1.0, ("B", 0): 1e-9, ("W", 0): 2.0, ("F", 1): 1.0, ("B", 1): 1.0, ("W", 1): 1.0}
+    gpu_like = {(k, d): 1.0 for k in "FBW" for d in (0, 1)}
     result = {"source": f"zb-h1 S=2 M={m} in placement.json", "unit_ms": row["unit_ms"],
               "measured_bubbles": {"zb-h1": row["bubble"]},
               "as_measured": replay(measured, m), "balanced": replay(balanced(measured), m),
