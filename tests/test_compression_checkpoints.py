@@ -52,17 +52,24 @@ def topk_two(mlp_weights, tmp_path_factory):
     return strategy, trainer, per_replica(trainer.aggregator, strategy), save(trainer, tmp_path_factory.mktemp("topk"))
 
 
-def test_every_replica_gets_its_own_state_back(topk_two, mlp_weights):
+def test_every_replica_gets_its_own_state_back(topk_two, mlp_weights, monkeypatch):
     """Two replicas on different data owe different residuals; a restore into fresh objects
     gives each its own, bit for bit (not their mean), also when it runs before the state
-    exists (restored when the Trainer builds it)."""
+    exists (restored when the Trainer builds it). A restore never computes the rows it
+    would save (under multi_worker_mirrored, a gather every worker would have to reach)."""
     strategy, _, saved, path = topk_two
     assert saved and all(np.abs(a - b).max() > 0 for a, b in saved.values())
     restored = fresh(strategy, C.TopK(0.05), mlp_weights)
-    tf.train.Checkpoint(compression=restored).restore(path).assert_consumed()
     early = C.Compression(C.TopK(0.05))
-    tf.train.Checkpoint(compression=early).restore(path)  # before build: deferred
-    fresh(strategy, early, mlp_weights)
+
+    def computed(*_):
+        raise AssertionError("a restore computed the per-replica rows it would save")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(replica_state.ReplicaValue, "_rows", computed)
+        tf.train.Checkpoint(compression=restored).restore(path).assert_consumed()
+        tf.train.Checkpoint(compression=early).restore(path)  # before build: deferred
+        fresh(strategy, early, mlp_weights)
     for compression in (restored, early):
         got = per_replica(compression, strategy)
         assert got.keys() == saved.keys()

@@ -35,6 +35,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfpar.compression.compressors import CompressionError
+from tfpar.strategy import private_api
 
 SUM, MEAN, SAME, THIS_COUNT = "sum", "mean", "same", "this_count"
 REJOIN_RULES = (SUM, MEAN, SAME, THIS_COUNT)
@@ -89,9 +90,11 @@ def gathered(variable: tf.Variable) -> Callable[[], tf.Tensor]:
     replica order, across workers: a collective, so every worker must call it."""
     strategy = variable.distribute_strategy
 
-    def gather():
+    def gather():  # rows in the collective's rank order, put in replica order by their ids
         context = tf.distribute.get_replica_context()
-        return context.all_gather(tf.convert_to_tensor(variable)[None], axis=0)  # this replica's copy
+        ids = context.all_gather(tf.reshape(context.replica_id_in_sync_group, [1]), axis=0)
+        rows = context.all_gather(tf.convert_to_tensor(variable)[None], axis=0)  # this replica's copy
+        return tf.gather(rows, tf.argsort(ids))
 
     return tf.function(lambda: strategy.experimental_local_results(strategy.run(gather))[0])
 
@@ -128,14 +131,25 @@ class ReplicaValue(tf.__internal__.tracking.Trackable):
                                    "create it with tfpar.compression.replica_state.per_replica.")
 
     def _serialize_to_tensors(self) -> dict:
+        """The rows, computed only when a checkpoint is written: a restore calls this too
+        (to build its specs), and must neither gather (a collective every worker would have
+        to reach) nor stack R copies of the state."""
+        first = self.variable.values[0] if isinstance(self.variable, tf.distribute.DistributedValues) else self.variable
+        host = tf.DeviceSpec.from_string(first.device or "/device:CPU:0").replace(
+            device_type="CPU", device_index=0).to_string()
+        return {"per_replica": private_api.save_spec(lambda: self._rows(host), self.variable.dtype, host)}
+
+    def _rows(self, host: str) -> tf.Tensor:
+        """Every replica's value, [R, ...] in global replica order, on this worker's host."""
         variable = self.variable
-        if not isinstance(variable, tf.distribute.DistributedValues):
-            return {"per_replica": tf.convert_to_tensor(variable)[None]}
-        if len(variable.values) == variable.distribute_strategy.num_replicas_in_sync:
-            return {"per_replica": stacked(variable)}  # every replica here: no collective
+        with tf.device(host):
+            if not isinstance(variable, tf.distribute.DistributedValues):
+                return tf.convert_to_tensor(variable)[None]
+            if len(variable.values) == variable.distribute_strategy.num_replicas_in_sync:
+                return stacked(variable)  # every replica here: no collective
         if self._gather is None:
             self._gather = gathered(variable)
-        return {"per_replica": self._gather()}
+        return self._gather()
 
     def _restore_from_tensors(self, restored_tensors: dict):
         saved = restored_tensors["per_replica"]

@@ -28,6 +28,9 @@ Touches:
   `_handle_deferred_dependencies` (TensorFlow's documented way to shape what a checkpoint
   holds; no public one): compression state is checkpointed replica by replica
   (`tfpar.compression.replica_state`, `Compression`).
+- `tensorflow.python.training.saving.saveable_object.SaveSpec` with a callable: what a
+  `_serialize_to_tensors` returns so that a value is computed only when a checkpoint is
+  written (a restore builds the same specs and must not run a collective): `save_spec`.
 
 Example:
     >>> with private_api.trainer_step(optimizer):   # while tracing tfpar's step
@@ -37,7 +40,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Callable, Iterator
 
 import keras
 
@@ -245,3 +248,12 @@ __all__ = ["KerasFixError", "add_control_input", "replace_all_reduce", "collecti
            "function_library", "inbound_nodes", "is_loss_scaled", "is_sharded",
            "optimizer_class", "optimizers_of", "runtime_started", "trainer_module",
            "trainer_step"]
+
+
+def save_spec(make: Callable[[], "tf.Tensor"], dtype: "tf.DType", device: str):
+    """A checkpoint value that `make()` computes when a checkpoint is written, not when a
+    restore builds its specs (a restore calls `_serialize_to_tensors` too)."""
+    from tensorflow.python.training.saving import saveable_object  # pylint: disable=import-outside-toplevel
+
+    return saveable_object.SaveSpec(make, "", "", dtype=dtype, device=device)
+
