@@ -494,6 +494,13 @@ def test_auto_measures_at_build_becomes_its_choice_and_says_why(weights, capsys)
     assert C.from_config("auto", auto_total_steps=100).total_steps == 100
 
 
+def test_auto_leaves_out_a_candidate_that_cannot_run_on_the_model():
+    auto = C.Auto(total_steps=20, link_s=10.0, compute_s=0.1)  # powersgd(4) sends more on [4096, 4]
+    auto.build([tf.Variable(tf.zeros([4096, 4]), name="thin")])
+    assert isinstance(auto.chosen.compressor, C.FP16), auto.decision
+    assert "powersgd cannot run on this model: powersgd(4) would send no fewer floats" in auto.decision
+
+
 def test_the_binary_gives_auto_the_runs_steps_and_tokens_per_replica():
     from types import SimpleNamespace
 

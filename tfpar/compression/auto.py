@@ -33,7 +33,7 @@ from typing import Sequence
 import tensorflow as tf
 
 from tfpar.compression.compressed_aggregator import Compression
-from tfpar.compression.compressors import FP16, NoCompression
+from tfpar.compression.compressors import FP16, CompressionError, NoCompression
 from tfpar.compression.policy import Policy
 from tfpar.compression.powersgd import PowerSGD
 
@@ -117,9 +117,13 @@ class Auto(Compression):
             _time_all_reduce(strategy, size) if communicates else 0.0)
         compute_s = self.compute_s if self.compute_s is not None else _time_compute(variables, self.tokens)
         options = candidates(self.total_steps)
-        ratios = {}
+        ratios, unusable = {}, {}
         for name, compression in options.items():
-            compression.build(variables)
+            try:
+                compression.build(variables)
+            except CompressionError as error:  # e.g. powersgd(4) on a model of thin matrices
+                unusable[name] = str(error)
+                continue
             ratios[name] = sum(compression.payload_bytes(variables).values()) / (4 * size)
         name, predicted = choose(link_s, compute_s, ratios)
         self.chosen = options[name]
@@ -129,7 +133,8 @@ class Auto(Compression):
                          f"{compute_s:.3f} s per step; predicted s/step x steps factor: "
                          + ", ".join(f"{n} {p:.3f}" + (f" (needs {STEPS_FACTOR[n]:g}x the steps: left out)"
                                                       if STEPS_FACTOR[n] > 1 else "")
-                                     for n, p in sorted(predicted.items(), key=lambda kv: kv[1])))
+                                     for n, p in sorted(predicted.items(), key=lambda kv: kv[1]))
+                         + "".join(f"; {n} cannot run on this model: {why}" for n, why in unusable.items()))
         print(f"compression=auto picked {self.decision}", flush=True)  # one line, whatever the log level
 
     def __call__(self, gradients, variables):

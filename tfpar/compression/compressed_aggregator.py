@@ -86,7 +86,8 @@ class Compression(tf.Module, GradientAggregator):
                     dense.append((wanted, path, wanted.matrix_shape(tuple(v.shape))))
         self.plan = [self.policy.choose(path, tuple(v.shape), self.compressor)
                      for path, v in zip(self.paths, variables)]
-        _say_dense_matrices(dense, compressed=any(isinstance(c, PowerSGD) for c in self.plan))
+        _say_dense_matrices(dense, compressed=any(isinstance(c, PowerSGD) for c in self.plan),
+                            main=isinstance(self.compressor, PowerSGD))
         sent = (*self.plan, self.policy.start())  # the start and every compressor chosen (overrides too)
         for compressor in {repr(c): c for c in sent if c is not None}.values():
             _check_dtype_support(compressor, tf.distribute.get_strategy())
@@ -321,9 +322,10 @@ def _all_gather_words(context, words: tf.Tensor) -> tf.Tensor:
     return gather.all_gather_words(context, words)
 
 
-def _say_dense_matrices(dense: list, compressed: bool) -> None:
+def _say_dense_matrices(dense: list, compressed: bool, main: bool) -> None:
     """Refuses a PowerSGD rank that compresses no matrix at all; names the matrices it
-    leaves in float32 otherwise (there rank x (n + m) >= n x m: it would send more)."""
+    leaves in float32 otherwise (there rank x (n + m) >= n x m: it would send more).
+    `main`: PowerSGD is the Compression's own compressor (else only an override)."""
     if not dense:
         return
     chosen = dense[0][0]
@@ -331,10 +333,13 @@ def _say_dense_matrices(dense: list, compressed: bool) -> None:
         f" and {len(dense) - 4} more" if len(dense) > 4 else "")
     if not compressed:
         most = max((n * m - 1) // (n + m) for _, _, (n, m) in dense)
+        largest = " (the largest of its schedule)" if len(chosen.schedule) > 1 else ""
+        fix = (f"use a rank{largest} of at most {most}" if most >= 1
+               else "these matrices are too thin for PowerSGD at any rank: leave them out (Policy(skip=...), compression_args.skip)")
         raise CompressionError(
             f"{chosen!r} would send no fewer floats than float32 for any matrix it was asked to "
-            f"compress (rank x (n + m) >= n x m for {listed}): use a rank of at most {most}, "
-            "or compression='none'.")
+            f"compress (rank x (n + m) >= n x m for {listed}): {fix}, or "
+            + ("compression='none'." if main else "drop the powersgd override."))
     logging.warning("tfpar: %r leaves %d matri%s in float32, where rank %d would send no fewer "
                     "floats: %s.", chosen, len(dense), "x" if len(dense) == 1 else "ces",
                     chosen.max_rank, listed)
