@@ -56,6 +56,9 @@ import tensorflow as tf  # noqa: E402
 from tfpar.strategy import runtime  # noqa: E402
 
 
+WAIT_LAYERS = 16  # --model=wait: 8 per group at S = 2, 4 at S = 4, 2 per chunk at S = 4, v = 2
+
+
 def inter_op_threads(argv: list[str]) -> int:
     """`--inter-op`, else the largest S asked for: one inter-op thread per pipeline device.
 
@@ -72,9 +75,10 @@ def inter_op_threads(argv: list[str]) -> int:
     if known.inter_op < 0:
         early.error(f"--inter-op={known.inter_op}: give a thread count >= 1 (0: one per pipeline device)")
     devices = max(int(s) for s in known.stages.split(","))
-    # waiting threads take no core; a device's unit may hold several (its B's next wait, queued
-    # on the device's lock, beside its W's), so the wait model gets 4 per device
-    return known.inter_op or (4 * devices if known.model == "wait" else devices)
+    # waiting threads take no core, and one unit may hold many: a W unit's waits all become
+    # ready at once and each holds a thread while it queues on its device's lock. The wait
+    # model gets one thread per layer's wait beside the others' units: no device waits for one.
+    return known.inter_op or (WAIT_LAYERS + 4 * devices if known.model == "wait" else devices)
 
 
 # a GPU is split in 2 (the issue's GPU run: S = 2), the CPU in 4 that must share its cores:
@@ -105,7 +109,6 @@ def gpt(dim: int = 128, depth: int = 4, seq: int = 128):
     return GPT(vocab_size=VOCAB, max_len=seq, dim=dim, depth=depth, heads=4)
 
 
-WAIT_LAYERS = 16  # 8 per group at S = 2, 4 at S = 4, 2 per chunk at S = 4, v = 2
 _DEVICE_LOCKS = collections.defaultdict(threading.Lock)
 
 
@@ -290,7 +293,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--inter-op", type=int, default=0,
-                        help="CPU inter-op threads (default: the largest --stages, 4x that for "
+                        help="CPU inter-op threads (default: the largest --stages S; 16 + 4 S for "
                              "--model=wait; read at import)")
     parser.add_argument("--model", default="gpt", choices=("gpt", "wait"),
                         help="gpt: the real model; wait: units of --unit-ms that take no core "

@@ -322,7 +322,13 @@ class _Step:
             self.regions.seeds[("F", g, m)] = h_in.op
         tape = tf.GradientTape(persistent=False)
         first_out = []  # the first group's B target: its first layer's output (see _backward)
-        after_first = first_out.append if g == 0 and self.pipe.split and len(self.pipe.groups[0]) > 1 else None
+
+        def note_first(h):
+            if h.dtype.is_floating:  # an integer output has no gradient: B stays empty then
+                tape.watch(h)
+                first_out.append(h)
+
+        after_first = note_first if g == 0 and self.pipe.split and len(self.pipe.groups[0]) > 1 else None
         with tape:
             if g > 0:
                 tape.watch(h_in)
@@ -339,7 +345,8 @@ class _Step:
         B is the gradient of the group's input; in the first group, whose input (token ids,
         say) has none, it is the gradient of its first layer's output: the activation chain
         through the group, as in the zero-bubble paper, so the first device's B is not empty
-        with all of its backward left to W."""
+        with all of its backward left to W. (A first group of one layer has no such chain:
+        its B stays empty.)"""
         variables = self.pipe.group_variables(g)
         target = self.inputs[(g, m)]  # the group's input, or (first group, split) its first layer's output
         sources = variables + ([target] if target is not None else [])
