@@ -226,7 +226,10 @@ def test_a_host_gone_for_good_stops_its_peer_in_time_and_the_rest_resume(tmp_pat
         out, _ = procs[0].communicate(timeout=120)
         detected = time.monotonic() - pulled
         assert procs[0].returncode not in (0, None), out[-2000:]
-        assert detected < 20 + 15, detected  # the collective timeout, plus the step in flight
+        # the 20 s collective timeout stops it, plus the step in flight and the exit: 35.5 s once
+        # on a loaded CI machine; without the timeout a collective waits for good (and the
+        # communicate above would time out at 120 s)
+        assert detected < 20 + 40, detected
         last = [line for line in out.splitlines() if line.startswith("tfpar-train:")]
         assert last and "stopped answering" in last[-1], out[-2000:]
         assert f"(worker 1 at {hosts.addresses[1]}:23456) stopped answering" in last[-1], last[-1]
