@@ -77,15 +77,17 @@ class Compression(tf.Module, GradientAggregator):
 
     def _build_state(self, variables: Sequence[tf.Variable]) -> None:
         self.paths = [getattr(v, "path", v.name) for v in variables]
-        dense = []  # matrices PowerSGD was asked for, where its rank would send no fewer floats
-        for path, v in zip(self.paths, variables):
-            wanted = self.policy.wanted(path, tuple(v.shape), self.compressor)
-            if isinstance(wanted, PowerSGD):
-                wanted.check_shape(path, tuple(v.shape))
-                if len(v.shape) >= 2 and not wanted.applies_to(tuple(v.shape)):
-                    dense.append((wanted, path, wanted.matrix_shape(tuple(v.shape))))
+        wanted = [self.policy.wanted(path, tuple(v.shape), self.compressor)
+                  for path, v in zip(self.paths, variables)]
+        for path, v, asked in zip(self.paths, variables, wanted):
+            if isinstance(asked, PowerSGD):
+                asked.check_shape(path, tuple(v.shape))
         self.plan = [self.policy.choose(path, tuple(v.shape), self.compressor)
                      for path, v in zip(self.paths, variables)]
+        # matrices PowerSGD was asked for and the policy left dense: its rank would send more
+        dense = [(asked, path, asked.matrix_shape(tuple(v.shape)))
+                 for path, v, asked, chosen in zip(self.paths, variables, wanted, self.plan)
+                 if isinstance(asked, PowerSGD) and chosen is None and len(v.shape) >= 2]
         _say_dense_matrices(dense, compressed=any(isinstance(c, PowerSGD) for c in self.plan),
                             main=isinstance(self.compressor, PowerSGD))
         sent = (*self.plan, self.policy.start())  # the start and every compressor chosen (overrides too)
