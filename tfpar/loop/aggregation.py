@@ -9,8 +9,12 @@ Every hook the Trainer calls is declared on `GradientAggregator` with a no-op de
 an aggregator overrides only what it needs and the Trainer never probes with `hasattr`:
 
 - `check_optimizer(optimizer)`: at construction; refuses an optimizer the aggregator's
-  gradients cannot go to (e.g. DGC moves momentum into the compressor: plain SGD only).
+  gradients cannot go to, and reads what it needs of it (1-bit Adam takes Adam's betas,
+  epsilon and clipping; DGC takes SGD's momentum).
 - `build(variables)`: once, under `strategy.scope()`, before any step is traced.
+- `optimizer_for(optimizer)`: after `build`, the Keras optimizer that applies what the
+  aggregator returns: the same one, or (an aggregator that computes Adam's or momentum's
+  step itself) a plain SGD with its learning rate, schedule, weight decay and EMA.
 - `boundaries()`: steps at which `phase` changes; the Trainer cuts its runs there.
 - `phase(step)`: a hashable value; each distinct phase gets its own trace of the step.
 - `set_phase(phase)`: called while tracing, before `__call__`, with that trace's phase.
@@ -34,6 +38,8 @@ from typing import Hashable, Sequence
 
 import tensorflow as tf
 
+from tfpar.strategy.replicas import communicates, multi_worker  # noqa: F401  (re-exported)
+
 
 class GradientAggregator(abc.ABC):
     """Base class: per-replica gradients in, summed gradients out (replica context)."""
@@ -47,6 +53,10 @@ class GradientAggregator(abc.ABC):
 
     def build(self, variables: Sequence[tf.Variable]) -> None:
         """Creates any state (under `strategy.scope()`); default: none."""
+
+    def optimizer_for(self, optimizer):
+        """The Keras optimizer that applies this aggregator's output; default: `optimizer`."""
+        return optimizer
 
     def boundaries(self) -> tuple[int, ...]:
         """Steps where `phase` changes (e.g. the end of a warm-up); default: none."""
@@ -99,12 +109,3 @@ def densify_if_smaller(gradient, variable):
             return gradient
     return tf.ensure_shape(tf.convert_to_tensor(gradient), variable.shape)  # a static size
 
-
-def multi_worker(context) -> bool:
-    """Whether the replica context's strategy spans several workers."""
-    return getattr(context.strategy.extended, "_num_workers", 1) > 1
-
-
-def communicates(context) -> bool:
-    """Whether a collective in this replica context reaches another replica."""
-    return context.num_replicas_in_sync > 1 or multi_worker(context)

@@ -2,12 +2,14 @@
 
 Per step, on every replica: forward and backward on the local batch (loss averaged over
 the global batch, as Keras does), gradient accumulation over `accumulate` micro-batches,
-then the aggregator (one all-reduce), a sparse gradient's repeated rows summed per index
-(so Adam sees the dense math), clipping by the global norm of the summed gradients
-(identical on every replica, so equal to the one-device clip), and the optimizer, whose
-own all-reduce and clip are off while the step is traced (and only then:
-tfpar.strategy.private_api.trainer_step). `steps_per_loop` steps run inside one
-tf.function call.
+then the aggregator (one all-reduce) on gradients in their true units (fp16's loss scale
+divided out first and put back after, exactly: it is a power of two), a sparse gradient's
+repeated rows summed per index (so Adam sees the dense math), and the optimizer, whose own
+all-reduce is off while the step is traced (and only then:
+tfpar.strategy.private_api.trainer_step): its clipping (`global_clipnorm`, `clipnorm`,
+`clipvalue`), weight decay, gradient accumulation and EMA then act on the summed
+gradients, identical on every replica, so equal to one device's
+(tfpar.strategy.optimizer_update). `steps_per_loop` steps run inside one tf.function call.
 
 Under `parameter_server` the same step runs asynchronously: the chief schedules it onto
 the workers with a ClusterCoordinator (see tfpar.loop.parameter_server); each worker
@@ -37,7 +39,7 @@ from tfpar.loop.nonfinite import POLICIES as NONFINITE_POLICIES
 from tfpar.loop.nonfinite import NonFiniteGuard, SkippedStepState
 from tfpar.placement import tpu_cores
 from tfpar.placement.plan import PlacementError, is_multi_worker_mirrored
-from tfpar.strategy import keras_fixes, private_api
+from tfpar.strategy import keras_fixes, optimizer_update, private_api
 
 
 class TrainerError(TfparError, ValueError):
@@ -79,14 +81,13 @@ def _skipped_step_state(state, skips: bool, nonfinite: str) -> SkippedStepState 
     return SkippedStepState(state if skips else ())
 
 
-def _clip_norm(optimizer) -> float | None:
-    """The optimizer's global_clipnorm, which the Trainer applies to the summed gradients
-    (Keras's own clip, off while the Trainer traces its step, would see per-replica ones)."""
-    clipping = private_api.base_optimizer(optimizer)
-    if clipping.clipnorm or clipping.clipvalue:
-        raise TrainerError("Use global_clipnorm (clipping by the global norm across replicas), "
-                           "not clipnorm/clipvalue, with tfpar.Trainer.")
-    return clipping.global_clipnorm
+def _scaled(gradient, factor):
+    """`gradient` times a scalar, dense or sparse (None stays None)."""
+    if gradient is None:
+        return None
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(gradient.values * factor, gradient.indices, gradient.dense_shape)
+    return gradient * factor
 
 
 class _RunningMean:
@@ -145,10 +146,11 @@ class Trainer:
         self.steps_per_loop, self.accumulate = steps_per_loop, accumulate
         if nonfinite not in NONFINITE_POLICIES:
             raise TrainerError(f"nonfinite={nonfinite!r}: choose one of {', '.join(NONFINITE_POLICIES)}.")
-        loss_scaled = private_api.is_loss_scaled(optimizer)
+        self._loss_scaled = loss_scaled = private_api.is_loss_scaled(optimizer)
         skips = nonfinite == "skip" or loss_scaled
         if loss_scaled:  # fp16: the loss scale skips by itself
             nonfinite = "ignore"
+        keras_fixes.apply_and_report()  # accumulation and EMA under mirrored need fix 4
         self.aggregator = _aggregator_for(self.strategy, aggregator, compression)
         self.aggregator.check_optimizer(optimizer)
         is_async = parameter_server.is_parameter_server(self.strategy)
@@ -157,12 +159,14 @@ class Trainer:
             self._check_placement(placement)
         self._async = parameter_server.AsyncSteps(self.strategy) if is_async else None
         self.xla = (True if xla is None else bool(xla)) and placement is None
-        self.clip_norm = _clip_norm(optimizer)
-        private_api.check_optimizer(optimizer, sharded_updates=is_async)
         self.sum_sparse_rows = sum_sparse_rows
         with self.strategy.scope():
-            optimizer.build(model.trainable_variables)  # before any traced step
             self.aggregator.build(model.trainable_variables)
+            # what applies the aggregator's output: the user's optimizer, or (a compressor
+            # that computes Adam's or momentum's step itself) an SGD with its learning rate
+            self.optimizer = optimizer = self.aggregator.optimizer_for(optimizer)
+            private_api.check_optimizer(optimizer, sharded_updates=is_async)
+            optimizer.build(model.trainable_variables)  # before any traced step
             self._loss_sum = None if self._async else tf.Variable(
                 0.0, trainable=False, name="loss_sum",
                 synchronization=tf.VariableSynchronization.ON_READ,
@@ -279,6 +283,9 @@ class Trainer:
             if self.accumulate > 1:  # sparse (embedding) gradients are summed densely
                 grads = [tf.convert_to_tensor(g) for g in grads]
             summed = list(grads) if summed is None else [a + b for a, b in zip(summed, grads)]
+        scale = self._loss_scale() if self._loss_scaled else None
+        if scale is not None:  # fp16: the aggregator sees (and keeps state in) true units
+            summed = [_scaled(g, 1.0 / scale) for g in summed]
         if self._skipped_step_state is None:
             summed = self.aggregator(summed, variables)
         else:  # a skipped step leaves the aggregator's state as it was
@@ -286,24 +293,22 @@ class Trainer:
             summed = self._skipped_step_state.restore_if_skipped(self.aggregator(summed, variables), saved)
         if self.sum_sparse_rows:  # Adam & co. need a sparse gradient's rows summed first
             summed = [keras_fixes.sum_repeated_rows(g) for g in summed]
-        norm = None
-        if self.clip_norm:
-            # fp16: the gradients are still scaled by the loss scale; so is the limit.
-            limit = self.clip_norm * self._loss_scale()
-            summed, norm = tf.clip_by_global_norm(summed, limit)
+        if scale is not None:  # the LossScaleOptimizer divides by it (exactly: a power of 2)
+            summed = [_scaled(g, scale) for g in summed]
         if self._guard is None:
             self.optimizer.apply(summed, variables)
-        else:  # the norm before clipping (as finite as the gradients), when there was one
-            self._guard.apply(self.optimizer, summed, variables, index, norm)
+        else:
+            self._guard.apply(self.optimizer, summed, variables, index)
         if self._loss_sum is not None:
             self._loss_sum.assign_add(total)
         return total
 
     def _train_loop_fn(self, iterator, steps, phase=None):
         self.aggregator.set_phase(phase)  # e.g. compression warm-up: its own trace
-        # The aggregator sums and the Trainer clips: Keras's optimizer must do neither, for
-        # this trace only (the caller's optimizer is unchanged once it ends).
-        with private_api.trainer_step(self.optimizer, sharded_updates=self._async is not None):
+        # The aggregator sums: Keras's optimizer must not, for this trace only (the caller's
+        # optimizer is unchanged once it ends); the rows are summed here already.
+        with private_api.trainer_step(self.optimizer, sharded_updates=self._async is not None), \
+                optimizer_update.sparse_rows_summed(False):
             if self._async:
                 return self._async_steps(iterator, steps)
             return self._synchronous_steps(iterator, steps)

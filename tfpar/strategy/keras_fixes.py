@@ -33,15 +33,19 @@ which Keras, and what still works. The private names live in `private_api`.
    `evaluate` and `predict` raise UnsupportedStrategyError pointing to tfpar's loop
    instead of failing deep inside Keras.
 
-4. Sparse gradients with repeated rows. An embedding's gradient is an IndexedSlices with
-   one row per token occurrence; Keras's Adam (AdamW, LAMB, ...) squares the slices
-   before they are summed, so a row seen k times gets a sum of squares in its second
-   moment instead of the square of the sum (one step of Adam(0.1) with two equal slices
-   of a row moves it 0.1414, not 0.1), and the result depends on the replica count. The
-   fix sums every sparse gradient per unique index right after the optimizer's
-   all-reduce (`sum_repeated_rows`), so every optimizer sees the dense math. Turn it off
-   with `set_sum_sparse_rows(False)` (before the model's first `fit`); tfpar's loop has
-   its own switch, `Trainer(sum_sparse_rows=False)`. See docs/keras_fixes.md.
+4. The optimizer update sums first (tfpar.strategy.optimizer_update). Keras clips, decays
+   and updates before its own all-reduce, and squares a sparse gradient's rows before
+   they are summed: under a strategy `global_clipnorm`/`clipnorm`/`clipvalue` see each
+   replica's share (1.5e-2 to 8e-2 off one device on 2 replicas), a repeated embedding row
+   is clipped and squared in parts (on one device too: one step of Adam(0.1) with two equal
+   slices of a row moves it 0.1414, not 0.1), and `gradient_accumulation_steps` and
+   `use_ema` fail under MirroredStrategy ("`merge_call` called while defining a new
+   graph"). The fix makes `_backend_apply_gradients` all-reduce first (through the
+   optimizer's own `_all_reduce_sum_gradients`, so compress_fit's compression takes its
+   place), sum every sparse gradient per unique index, then run Keras's own clip, decay and
+   update; accumulation's and EMA's conds run in the cross-replica context. Turn the row
+   summing off with `set_sum_sparse_rows(False)` (before the model's first `fit`); tfpar's
+   loop has its own switch, `Trainer(sum_sparse_rows=False)`. See docs/keras_fixes.md.
 
 Example:
     >>> from tfpar.strategy import keras_fixes
@@ -62,17 +66,17 @@ import tensorflow as tf
 from absl import logging
 
 from tfpar.errors import UnsupportedStrategyError
-from tfpar.strategy import private_api
+from tfpar.strategy import optimizer_update, private_api
 
 _ORIGINALS: dict[tuple[object, str], object] = {}
-_SUM_SPARSE_ROWS = [True]
 _REPORTED: set = set()
 
 #: Keras releases the fixes were written for and tested on (3.5 - 3.15); setup.py says the same.
 TESTED_KERAS = ((3, 5), (3, 16))
 STILL_WORKS = ("Keras fit on one device and tfpar's own loop (tfpar.Trainer, "
                "--config.mode=loop) on every strategy still work; Keras fit under "
-               "multi_worker_mirrored, under mirrored with steps_per_execution > 1, and "
+               "multi_worker_mirrored, under mirrored with steps_per_execution > 1, "
+               "clipping, gradient accumulation and EMA under several replicas, and "
                "Adam-family optimizers on embedding gradients in fit are not mended.")
 
 
@@ -91,23 +95,13 @@ def is_applied() -> bool:
     return bool(_ORIGINALS)
 
 
-def sum_repeated_rows(gradient):
-    """A sparse gradient with one row per index (repeated rows summed); others unchanged.
-
-    Example:
-        >>> g = tf.IndexedSlices(tf.ones([3, 2]), tf.constant([0, 0, 2]), tf.constant([4, 2]))
-        >>> sum_repeated_rows(g).indices      # [0, 2], values [[2, 2], [1, 1]]
-    """
-    if not isinstance(gradient, tf.IndexedSlices):
-        return gradient
-    indices, positions = tf.unique(gradient.indices)
-    values = tf.math.unsorted_segment_sum(gradient.values, positions, tf.shape(indices)[0])
-    return tf.IndexedSlices(values, indices, gradient.dense_shape)
+sum_repeated_rows = optimizer_update.sum_repeated_rows
 
 
 def set_sum_sparse_rows(enabled: bool) -> None:
-    """Fix 4 on (default) or off for steps traced from now on (Keras's own behaviour)."""
-    _SUM_SPARSE_ROWS[0] = bool(enabled)
+    """Repeated sparse rows summed before the optimizer (default) or not (Keras's own
+    behaviour), for steps traced from now on."""
+    optimizer_update.SUM_SPARSE_ROWS[0] = bool(enabled)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,19 +348,6 @@ def _refuse_parameter_server(original):
     return method
 
 
-# -- 4. sparse gradients: one row per index before the optimizer ---------------------
-
-def _fix_all_reduce_sum_gradients(original):
-    @functools.wraps(original)
-    def _all_reduce_sum_gradients(self, grads_and_vars):
-        reduced = original(self, grads_and_vars)
-        if not _SUM_SPARSE_ROWS[0]:
-            return reduced
-        return [(sum_repeated_rows(g), v) for g, v in reduced]
-
-    return _all_reduce_sum_gradients
-
-
 # -- the targets, and what each fix relies on inside them ------------------------------
 
 def _trainer_module():
@@ -399,11 +380,23 @@ def _needs_step_closure(target) -> str | None:
     return None
 
 
-def _needs_reduce_in_update(target) -> str | None:  # pylint: disable=unused-argument
+def _needs_update_names(target) -> str | None:
     update = getattr(private_api.optimizer_class(), "_backend_update_step", None)
     if update is None or not _uses(update, private_api.ALL_REDUCE):
         return f"_backend_update_step no longer calls {private_api.ALL_REDUCE}"
+    missing = [name for name in optimizer_update.KERAS_NAMES[1:-2] if not _uses_anywhere(name)]
+    if missing or not _uses(target, "_clip_gradients", "_backend_update_step", "use_ema"):
+        return f"_backend_apply_gradients no longer uses {', '.join(missing) or '_clip_gradients'}"
     return None
+
+
+def _uses_anywhere(name: str) -> bool:
+    """Whether Keras's optimizer classes refer to `name` (an attribute the fix reads)."""
+    from keras.src.optimizers import base_optimizer  # pylint: disable=import-outside-toplevel
+
+    classes = (base_optimizer.BaseOptimizer, private_api.optimizer_class())
+    return any(hasattr(c, name) or any(_uses(f, name) for f in vars(c).values() if callable(f))
+               for c in classes)
 
 
 _FIXES = (
@@ -421,6 +414,7 @@ _FIXES = (
         _refuse_parameter_server),
     Fix("predict under parameter_server refused clearly", _trainer_class, "predict",
         _refuse_parameter_server),
-    Fix("sparse gradients summed per row", private_api.optimizer_class, private_api.ALL_REDUCE,
-        _fix_all_reduce_sum_gradients, ("self", "grads_and_vars"), _needs_reduce_in_update),
+    Fix("optimizer update after the all-reduce (clipping, accumulation, EMA, sparse rows)",
+        private_api.optimizer_class, "_backend_apply_gradients", optimizer_update.make_apply_gradients,
+        ("self", "grads", "trainable_variables"), _needs_update_names),
 )

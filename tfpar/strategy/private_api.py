@@ -15,8 +15,11 @@ Touches:
 - `TFOptimizer._distributed_tf_update_step` (Keras): the update under a strategy goes
   through `strategy.extended.update`, which fails on a ShardedVariable (parameter-server
   variable partitioning); replaced while tfpar traces its step (`sharded_updates`).
-- `optimizer.global_clipnorm` (public, but Keras clips per replica before its all-reduce):
-  tfpar's loop clips the summed gradients itself, so Keras's clip is off while it traces.
+- `TFOptimizer._backend_apply_gradients` (Keras): clip, weight decay, accumulation, EMA and
+  update; tfpar.strategy.optimizer_update runs the all-reduce before it (a Keras fix).
+- `BaseOptimizer._learning_rate`, `_exclude_from_weight_decay(_pattern)` (Keras): what an
+  optimizer-carrying compressor copies from the user's Adam or SGD into the plain SGD that
+  applies its step (`learning_rate_of`, `copy_weight_decay_exclusions`).
 - `LossScaleOptimizer.inner_optimizer` (public attribute, no public "unwrap"): every touch
   above applies to the wrapper and to the optimizer it wraps (`optimizers_of`).
 - `keras.src.backend.tensorflow.trainer` and `...optimizer` (Keras private modules): the
@@ -124,7 +127,7 @@ def _sharded_update(target):
 
 
 @contextlib.contextmanager
-def _set(target, name: str, value) -> Iterator[None]:
+def optimizer_attribute(target, name: str, value) -> Iterator[None]:
     """Sets `target.name` within the block; restores the instance's own value after."""
     saved = vars(target).get(name, _MISSING)
     setattr(target, name, value)
@@ -139,20 +142,19 @@ def _set(target, name: str, value) -> Iterator[None]:
 
 @contextlib.contextmanager
 def trainer_step(optimizer: keras.optimizers.Optimizer, sharded_updates: bool = False) -> Iterator[None]:
-    """While tfpar's loop traces its step: no all-reduce and no clipping inside `apply`
-    (the aggregator summed and the Trainer clipped already), and with `sharded_updates`
-    the parameter-server update path. Everything is restored on exit, so the same
-    optimizer then clips and synchronises under `model.fit` as before.
+    """While tfpar's loop traces its step: no all-reduce inside `apply` (the aggregator
+    summed already; Keras then clips the sum), and with `sharded_updates` the
+    parameter-server update path. Everything is restored on exit, so the same optimizer
+    then synchronises under `model.fit` as before.
 
     Enter it from the cross-replica context (around `strategy.run`): MirroredStrategy runs
     replicas in threads that must all see the same optimizer.
     """
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_set(base_optimizer(optimizer), "global_clipnorm", None))
         for target in optimizers_of(optimizer):
-            stack.enter_context(_set(target, ALL_REDUCE, _identity_reduce))
+            stack.enter_context(optimizer_attribute(target, ALL_REDUCE, _identity_reduce))
             if sharded_updates:
-                stack.enter_context(_set(target, UPDATE_STEP, _sharded_update(target)))
+                stack.enter_context(optimizer_attribute(target, UPDATE_STEP, _sharded_update(target)))
         yield
 
 
@@ -243,7 +245,24 @@ def launcher_all_gather(launcher, tensor):
     return launcher.all_gather(tensor, 0)
 
 
-__all__ = ["KerasFixError", "add_control_input", "replace_all_reduce", "collective_launcher", "launcher_all_to_all",
+def learning_rate_of(optimizer):
+    """The optimizer's learning rate as it was given: a float or its schedule object
+    (`optimizer.learning_rate` is the current value only)."""
+    rate = base_optimizer(optimizer)._learning_rate  # pylint: disable=protected-access
+    return rate if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule) else float(
+        keras.ops.convert_to_numpy(rate))
+
+
+def copy_weight_decay_exclusions(source, target) -> None:
+    """What `source.exclude_from_weight_decay(...)` excluded, excluded on `target` too."""
+    names = ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern")
+    for name in names:
+        if hasattr(base_optimizer(source), name):
+            setattr(target, name, getattr(base_optimizer(source), name))
+
+
+__all__ = ["KerasFixError", "add_control_input", "copy_weight_decay_exclusions", "learning_rate_of",
+           "optimizer_attribute", "replace_all_reduce", "collective_launcher", "launcher_all_to_all",
            "launcher_all_gather", "base_optimizer", "check_optimizer", "collective_key_base",
            "function_library", "inbound_nodes", "is_loss_scaled", "is_sharded",
            "optimizer_class", "optimizers_of", "runtime_started", "trainer_module",

@@ -1,0 +1,18 @@
+"""Questions about the replica context a step runs in.
+
+Example:
+    >>> context = tf.distribute.get_replica_context()
+    >>> communicates(context)      # True: a collective here reaches another replica
+"""
+
+from __future__ import annotations
+
+
+def multi_worker(context) -> bool:
+    """Whether the replica context's strategy spans several workers."""
+    return getattr(context.strategy.extended, "_num_workers", 1) > 1
+
+
+def communicates(context) -> bool:
+    """Whether a collective in this replica context reaches another replica."""
+    return context.num_replicas_in_sync > 1 or multi_worker(context)
