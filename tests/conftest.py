@@ -92,16 +92,16 @@ def without_grappler():
 # them all. The warm-ups end at step 60 (DGC's density, 1-bit Adam's freeze); PowerSGD starts
 # compressing at 20 (after a float32 or an fp16 start) and drops from rank 8 to 4 at 120.
 CONVERGENCE_STEPS = 200
-SGD = "optimizer.name=sgd;optimizer.momentum=0;optimizer.clip_norm=0"
 CONVERGENCE_RUNS = {
     "none": "none", "topk": "topk", "powersgd": "powersgd", "int8": "int8", "sign": "sign",
-    "dgc": f"dgc:compression_args.ratio=0.01;compression_args.sparsity_warmup_steps=60;"
-           f"compression_args.clip_norm=1.0;optimizer.learning_rate=0.3;{SGD}",
-    "onebit_adam": f"onebit_adam:compression_args.freeze_step=60;compression_args.clip_norm=1.0;{SGD}",
-    "onebit_adam_every2": f"onebit_adam:compression_args.freeze_step=60;compression_args.clip_norm=1.0;"
-                          f"compression_args.exchange_every=2;compression_args.embeddings=True;{SGD}",
-    "dgc_adam": f"dgc_adam:compression_args.ratio=0.01;compression_args.freeze_step=60;"
-                f"compression_args.clip_norm=1.0;{SGD}",
+    # dgc: the config's SGD (momentum 0.9, nesterov, clip_norm 1.0, weight decay) moves into it
+    "dgc": "dgc:compression_args.ratio=0.01;compression_args.sparsity_warmup_steps=60;"
+           "optimizer.name=sgd;optimizer.learning_rate=0.3",
+    # onebit_adam and dgc_adam: the config's AdamW (beta_2 0.98, clip_norm 1.0, weight decay) moves in
+    "onebit_adam": "onebit_adam:compression_args.freeze_step=60",
+    "onebit_adam_every2": "onebit_adam:compression_args.freeze_step=60;"
+                          "compression_args.exchange_every=2;compression_args.embeddings=True",
+    "dgc_adam": "dgc_adam:compression_args.ratio=0.01;compression_args.freeze_step=60",
     "powersgd_schedule": "powersgd:compression_args.rank_schedule=8@0,4@100;compression_args.warmup_steps=20",
     "powersgd_fp16_start": "powersgd:compression_args.rank_schedule=8@0,4@100;compression_args.warmup_steps=20;"
                            "compression_args.warmup_compression=fp16",

@@ -88,17 +88,51 @@ def test_dgc_error_feedback_and_masking_identities():
         np.testing.assert_allclose(slots["velocity"].numpy()[sent == 0], velocity[sent == 0], rtol=1e-6)
 
 
-def test_dgc_local_clipping_scales_the_threshold_by_replicas():
+def test_dgc_clips_by_the_global_norm_of_the_mean_gradient():
+    """At density 1 the clip is exact: the summed gradients scaled by min(1, clip / ||sum||),
+    every tensor together (it was each replica's own gradient at clip / sqrt(R))."""
     strategy = mirrored(4)
     with strategy.scope():
-        variables = [tf.Variable(tf.zeros([30, 20]))]
-        compression = C.Compression(C.DGC(ratio=1.0, momentum=0.0, clip_norm=1.0), C.Policy(min_size=0))
+        variables = [tf.Variable(tf.zeros([30, 20])), tf.Variable(tf.zeros([8]))]
+        compression = C.Compression(C.DGC(ratio=1.0, momentum=0.0, clip_norm=1.0), C.Policy(min_size=100))
         compression.build(variables)
     grads = np.stack([np.full((30, 20), 1.0 + r, np.float32) for r in range(4)])
-    results = run_per_replica(strategy, lambda r, g: compression([tf.gather(g, r)], variables), tf.constant(grads))
-    expected = sum(g * min(1.0, 0.5 / np.linalg.norm(g)) for g in grads)  # 1 / sqrt(4)
+    small = np.stack([np.full((8,), 2.0 - r, np.float32) for r in range(4)])
+    results = run_per_replica(strategy, lambda r, g, b: compression([tf.gather(g, r), tf.gather(b, r)], variables),
+                              tf.constant(grads), tf.constant(small))
+    total = [grads.sum(0), small.sum(0)]
+    scale = min(1.0, 1.0 / np.sqrt(sum((t ** 2).sum() for t in total)))
     for replica in results:
-        np.testing.assert_allclose(replica[0], expected, rtol=1e-5)
+        for got, expected in zip(replica, total):
+            np.testing.assert_allclose(got, expected * scale, rtol=1e-5)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_dgc_in_a_sparse_stage_on_identical_replicas_is_the_one_replica_step(nesterov):
+    """Every replica sees the same gradient: its estimate R g is the mean, so the agreed clip
+    norm is the exact one and each replica sends what one replica alone would: the sum of
+    what R replicas send is one replica's step, clip, momentum and nesterov included."""
+    rng = np.random.RandomState(0)
+    steps = [rng.normal(size=(24, 20)).astype("float32") for _ in range(3)]
+    bias = [rng.normal(size=(6,)).astype("float32") for _ in range(3)]
+    outputs = {}
+    for replicas in (1, 2):
+        strategy = mirrored(replicas)
+        with strategy.scope():
+            variables = [tf.Variable(tf.zeros([24, 20]), name="kernel"), tf.Variable(tf.zeros([6]), name="bias")]
+            dgc = C.DGC(ratio=0.1, momentum=0.9, clip_norm=5.0, nesterov=nesterov)
+            compression = C.Compression(dgc, C.Policy(min_size=100))
+            compression.build(variables)
+        got = []
+        for g, b in zip(steps, bias):  # each replica's share of the sum: g / R
+            results = run_per_replica(strategy, lambda r, g, b: compression([g, b], variables),
+                                      tf.constant(g / replicas), tf.constant(b / replicas))
+            got.append([t.numpy() for t in results[0]])
+        outputs[replicas] = got
+    for one, two in zip(outputs[1], outputs[2]):
+        for a, b in zip(one, two):
+            np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6)
+    assert np.abs(outputs[1][0][0]).sum() > 0 and (outputs[1][0][0] == 0).mean() > 0.8  # sparse
 
 
 @pytest.mark.slow
@@ -121,15 +155,24 @@ def test_dgc_sparsity_warmup_is_exponential_and_traced_per_stage(weights):
     assert trainer.wire_bytes(dataset)["ratio"] > 10
 
 
-def test_dgc_refuses_optimizers_that_would_apply_momentum_twice():
-    dgc = C.Compression(C.DGC())
-    with pytest.raises(C.CompressionError, match="dgc keeps the momentum itself.*momentum=0.9"):
-        dgc.check_optimizer(keras.optimizers.SGD(0.1, momentum=0.9))
-    with pytest.raises(C.CompressionError, match="not Adam"):
-        dgc.check_optimizer(keras.optimizers.Adam())
-    with pytest.raises(C.CompressionError, match="local clipping"):
-        dgc.check_optimizer(keras.optimizers.SGD(0.1, global_clipnorm=1.0))
-    dgc.check_optimizer(keras.optimizers.SGD(0.1))
+def test_dgc_takes_the_sgds_momentum_and_clip_and_refuses_what_cannot_work():
+    dgc = C.DGC()
+    sgd = keras.optimizers.SGD(0.1, momentum=0.8, nesterov=True, global_clipnorm=2.0, weight_decay=0.01)
+    C.Compression(dgc).check_optimizer(sgd)
+    assert (dgc.momentum, dgc.nesterov, dgc.clip_norm) == (0.8, True, 2.0)
+    applies = C.Compression(dgc).optimizer_for(sgd)
+    assert isinstance(applies, keras.optimizers.SGD) and applies.momentum == 0 and not applies.global_clipnorm
+    assert applies.weight_decay == 0.01 and float(applies.learning_rate) == pytest.approx(0.1)
+    plain = keras.optimizers.SGD(0.1)
+    legacy = C.DGC()
+    C.Compression(legacy).check_optimizer(plain)  # a plain SGD: DGC's own momentum (0.9)
+    assert legacy.momentum == 0.9 and C.Compression(legacy).optimizer_for(plain) is plain
+    with pytest.raises(C.CompressionError, match="given momentum=0.5 and the optimizer has momentum=0.9"):
+        C.Compression(C.DGC(momentum=0.5)).check_optimizer(keras.optimizers.SGD(0.1, momentum=0.9))
+    with pytest.raises(C.CompressionError, match="dgc is momentum SGD.*not Adam.*dgc_adam"):
+        C.Compression(C.DGC()).check_optimizer(keras.optimizers.Adam())
+    with pytest.raises(C.CompressionError, match="clipnorm and clipvalue would clip its step"):
+        C.Compression(C.DGC()).check_optimizer(keras.optimizers.SGD(0.1, clipvalue=1.0))
     with pytest.raises(C.CompressionError, match="ends before its 4 stages start"):
         C.DGC(warmup_steps=2)
     with pytest.raises(C.CompressionError, match="dgc ratio"):
@@ -266,7 +309,6 @@ def test_a_start_compressor_that_cannot_start_is_refused_by_name():
     config.compression, config.compression_args.warmup_steps = "auto", 10
     refused(config, "not auto")
     config.compression, config.compression_args.warmup_steps = "onebit_adam", 0  # its freeze_step
-    config.optimizer.update(dict(name="sgd", momentum=0.0, clip_norm=0.0))
     validate(config)
     assert C.from_config("onebit_adam", freeze_step=7, warmup_compression="fp16").warmup_compressor.name == "fp16"
 
@@ -375,20 +417,29 @@ def test_config_builds_the_new_compressors_and_refuses_what_cannot_work():
 
     config = base_config()
     config.mode, config.compression = "loop", "dgc"
-    refused(config, "config.compression: dgc keeps the momentum .*--config.optimizer.name=sgd")
-    config.optimizer.update(dict(name="sgd", momentum=0.0, clip_norm=0.0))
-    validate(config)
+    refused(config, "config.compression: dgc is momentum SGD .*--config.optimizer.name=sgd .*dgc_adam")
+    config.optimizer.name = "sgd"
+    validate(config)  # its momentum, nesterov and clip_norm move into dgc
+    config.compression_args.clip_norm = 1.0
+    refused(config, "compression_args.clip_norm: clipping is --config.optimizer.clip_norm for every compressor")
+    config.compression_args.clip_norm, config.compression_args.momentum = 0.0, 0.9
+    refused(config, "compression_args.momentum: is read by dgc_adam only; dgc would ignore 0.9")
+    config.compression_args.momentum = None
     for name in ("onebit_adam", "dgc_adam"):
         config.compression = name
+        refused(config, f"{name} computes AdamW's step.*--config.optimizer.name=adamw .*not sgd")
+        config.optimizer.name = "adamw"
         validate(config)
         config.compression_args.warmup_steps = 50  # their Adam warm-up is the start
         refused(config, f"warmup_steps: does not apply to {name}: .*--config.compression_args.freeze_step")
         config.compression_args.warmup_steps, config.compression_args.sparsity_warmup_steps = 0, 50
         refused(config, f"sparsity_warmup_steps: is dgc's density ramp; {name} has none")
         config.compression_args.sparsity_warmup_steps = 0
+        config.optimizer.name = "sgd"
+    config.optimizer.name = "adamw"
     config.compression_args.stages = 8  # dgc's ramp: dgc_adam would ignore it
     refused(config, "compression_args.stages: is read by dgc only; dgc_adam would ignore 8: drop it")
-    config.compression, config.compression_args.stages = "dgc", 4
+    config.compression, config.compression_args.stages, config.optimizer.name = "dgc", 4, "sgd"
     config.compression_args.rank = 8
     refused(config, "compression_args.rank: is read by powersgd only; dgc would ignore 8")
     config.compression, config.compression_args.overrides = "topk", "embed=powersgd"  # an override reads it
@@ -400,10 +451,12 @@ def test_config_builds_the_new_compressors_and_refuses_what_cannot_work():
     refused(config, "compression_args.rank: is ignored when rank_schedule is set")
     config.compression, config.compression_args.overrides, config.compression_args.rank_schedule = "dgc", "", ""
     config.compression_args.rank = 4
-    config.optimizer.update(dict(name="sgd", momentum=0.0, clip_norm=0.0))
+    config.optimizer.name = "sgd"
     config.compression = "zip"
     refused(config, "'zip' is not one of .*dgc, onebit_adam")
-    dgc = C.from_config("dgc", ratio=0.001, sparsity_warmup_steps=100, clip_norm=1.0, embeddings=True)
+    with pytest.raises(C.CompressionError, match="clipping is the optimizer's global_clipnorm"):
+        C.from_config("dgc", clip_norm=1.0)
+    dgc = C.from_config("dgc", ratio=0.001, sparsity_warmup_steps=100, embeddings=True)
     assert isinstance(dgc.compressor, C.DGC) and dgc.compressor.warmup_steps == 100
     assert not any("embed" in p for p in dgc.policy.skip)
     psgd = C.from_config("powersgd", rank_schedule="8@0,4@300", warmup_steps=50)
@@ -411,11 +464,11 @@ def test_config_builds_the_new_compressors_and_refuses_what_cannot_work():
     assert isinstance(C.from_config("onebit_adam", freeze_step=7), C.OneBitAdam)
     every = C.from_config("onebit_adam", exchange_every=3, embeddings=True)
     assert every.exchange_every == 3 and not any("embed" in p for p in every.policy.skip)
-    config.compression, config.compression_args.exchange_every = "onebit_adam", 0
+    config.compression, config.compression_args.exchange_every, config.optimizer.name = "onebit_adam", 0, "adamw"
     refused(config, "compression_args.exchange_every: must be >= 1")
     config.compression_args.exchange_every = 11
     refused(config, "exchange_every: must be <= 10")
-    config.compression, config.compression_args.exchange_every = "dgc", 2
+    config.compression, config.compression_args.exchange_every, config.optimizer.name = "dgc", 2, "sgd"
     refused(config, "exchange_every: applies to onebit_adam only")
     config.compression_args.exchange_every = 1
     config.compression_args.factor_dtype = "bfloat16"
@@ -457,7 +510,7 @@ def test_keras_fit_takes_dgc_and_refuses_phases_by_name(weights):
     with pytest.raises(C.CompressionError, match="compression='auto' .* use tfpar.Trainer"):
         C.compress_fit(model, C.Auto())
     model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
-    with pytest.raises(C.CompressionError, match="dgc keeps the momentum itself"):
+    with pytest.raises(C.CompressionError, match="dgc is momentum SGD"):
         C.compress_fit(model, C.DGC())
 
 

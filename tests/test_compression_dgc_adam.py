@@ -141,8 +141,11 @@ def test_dgc_adam_refuses_bad_arguments_and_optimizers():
             C.DGCAdam(ratio=ratio)
     with pytest.raises(C.CompressionError, match="dgc_adam freeze_step must be >= 1"):
         C.DGCAdam(freeze_step=0)
-    with pytest.raises(C.CompressionError, match="dgc_adam computes Adam's step itself.*not Adam"):
-        C.DGCAdam().check_optimizer(keras.optimizers.Adam())
+    with pytest.raises(C.CompressionError, match="dgc_adam computes Adam's step with compressed momentum.*not SGD"):
+        C.DGCAdam().check_optimizer(keras.optimizers.SGD(0.1, momentum=0.9))
+    adam = C.DGCAdam()
+    adam.check_optimizer(keras.optimizers.AdamW(beta_2=0.98, epsilon=1e-6, global_clipnorm=0.5))
+    assert (adam.beta_1, adam.beta_2, adam.epsilon, adam.clip_norm) == (0.9, 0.98, 1e-6, 0.5)
     with pytest.raises(C.CompressionError, match="overrides do not apply"):
         C.from_config("dgc_adam", overrides="dense=fp16")
     with pytest.raises(C.CompressionError, match=r"dgc_adam momentum must be in \[0, 1\)"):

@@ -236,11 +236,18 @@ def test_bytes_counted_equal_analytic_and_stay_flat(replicas, weights):
 
 def test_onebit_refuses_optimizers_and_bad_arguments():
     onebit = C.OneBitAdam()
-    with pytest.raises(C.CompressionError, match="onebit_adam computes Adam's step itself.*not Adam"):
-        onebit.check_optimizer(keras.optimizers.Adam())
-    with pytest.raises(C.CompressionError, match="clips the gradients itself"):
-        onebit.check_optimizer(keras.optimizers.SGD(0.1, global_clipnorm=1.0))
-    onebit.check_optimizer(keras.optimizers.SGD(0.1))
+    for optimizer, said in [
+            (keras.optimizers.SGD(0.1, momentum=0.9), "computes Adam's step with compressed momentum.*not SGD"),
+            (keras.optimizers.Lamb(0.1), "Adam or AdamW.*not Lamb"),
+            (keras.optimizers.Adam(amsgrad=True), "amsgrad off.*not Adam with amsgrad"),
+            (keras.optimizers.AdamW(clipnorm=1.0), "clipnorm and clipvalue would clip its step.*global_clipnorm"),
+            (keras.optimizers.AdamW(gradient_accumulation_steps=2), "accumulate before the compressor.*accumulate=K")]:
+        with pytest.raises(C.CompressionError, match=said):
+            onebit.check_optimizer(optimizer)
+    with pytest.raises(C.CompressionError, match="was given beta_2=0.95 and the optimizer has beta_2=0.98"):
+        C.OneBitAdam(beta_2=0.95).check_optimizer(keras.optimizers.AdamW(beta_2=0.98))
+    C.OneBitAdam(beta_2=0.98).check_optimizer(keras.optimizers.AdamW(beta_2=0.98))  # the same: fine
+    onebit.check_optimizer(keras.optimizers.SGD(0.1))  # plain SGD: the compressor's own betas
     with pytest.raises(C.CompressionError, match="freeze_step must be >= 1"):
         C.OneBitAdam(freeze_step=0)
     with pytest.raises(C.CompressionError, match="exchange_every must be >= 1"):

@@ -41,8 +41,9 @@ def base_config() -> ml_collections.ConfigDict:
         partition_shards=0, partition_min_bytes=0))
     c.precision = "float32"             # or mixed_bfloat16 / mixed_float16
     # Gradient compression (fit and loop): none | fp16 | bf16 | int8 | topk | powersgd | sign
-    # | dgc | onebit_adam | dgc_adam (loop; these three need optimizer sgd, momentum 0, clip_norm 0)
-    # | auto (times the link and the compute at start, picks none or fp16: never a lossy one; loop).
+    # | dgc (optimizer sgd: its momentum and clip_norm move into dgc) | onebit_adam | dgc_adam
+    # (loop; optimizer adamw: its betas, epsilon and clip_norm move into the compressor)
+    # | auto (times the link and the compute at start, picks what reaches quality soonest; loop).
     c.compression = "none"
     c.compression_args = ml_collections.ConfigDict(dict(
         ratio=0.01,             # topk / dgc / dgc_adam: fraction of entries sent
@@ -54,9 +55,9 @@ def base_config() -> ml_collections.ConfigDict:
         skip="",                # regexes (comma-separated) replacing the default skip list; none: skip nothing
         reset_on_restore=False,  # True: error-feedback state is not checkpointed
         embeddings=False,       # also compress the embeddings
-        momentum=ml_collections.config_dict.placeholder(float),  # dgc (unset: 0.9) / dgc_adam (unset: 0):
-                                # the local velocity's momentum (moved into the compressor)
-        clip_norm=0.0,          # dgc / onebit_adam / dgc_adam: gradient clipping (dgc: local, / sqrt(R))
+        momentum=ml_collections.config_dict.placeholder(float),  # dgc_adam (unset: 0): its local
+                                # velocity's momentum (dgc takes optimizer.momentum)
+        clip_norm=0.0,          # refused: clipping is optimizer.clip_norm for every compressor
         masking=True,           # dgc / dgc_adam: momentum-factor masking
         sparsity_warmup_steps=0,  # dgc: density ramp 25% -> ratio over these steps
         stages=4,               # dgc: stages of that ramp
@@ -74,10 +75,15 @@ def base_config() -> ml_collections.ConfigDict:
         steps=600, batch_size=32, steps_per_loop=10, log_every=50, checkpoint_every=200,
         eval_every=0,                   # evaluate every N steps during training (0: at the end only)
         eval_batch_size=64, eval_examples=0, xla=True,
+        accumulate=1,                   # loop: micro-batches (of batch_size) summed per optimizer step
         nonfinite="stop"))             # tfpar.loop.nonfinite.POLICIES: stop (name the step) | skip (loop) | ignore
     c.optimizer = ml_collections.ConfigDict(dict(
         name="adamw", learning_rate=3e-3, warmup_steps=60, schedule="cosine", min_lr_ratio=0.1,
-        weight_decay=0.01, momentum=0.9, beta_2=0.98, clip_norm=1.0, label_smoothing=0.0))
+        weight_decay=0.01,              # decoupled, every optimizer (0: none)
+        momentum=0.9,                   # sgd (nesterov when > 0)
+        beta_1=0.9, beta_2=0.98, epsilon=1e-7,  # adamw, lamb
+        clip_norm=1.0,                  # the global norm of the mean gradient (0: off), every path
+        label_smoothing=0.0))
     c.sample = ml_collections.ConfigDict(dict(prompt="def ", length=200, temperature=0.7))
     return c
 
@@ -178,8 +184,11 @@ OVERRIDABLE = ("none", "fp16", "bf16", "int8", "topk", "powersgd", "sign")  # ta
 # compression_args that only some compressors read (an override naming one counts). Others
 # would ignore a value set for them; these are refused instead. The checks above name the rest.
 ARGUMENT_READERS = {"ratio": ("topk", "dgc", "dgc_adam"), "rank": ("powersgd",), "rank_schedule": ("powersgd",),
-                    "momentum": ("dgc", "dgc_adam"), "clip_norm": ("dgc", "onebit_adam", "dgc_adam"),
-                    "masking": ("dgc", "dgc_adam"), "stages": ("dgc",), "freeze_step": ("onebit_adam", "dgc_adam")}
+                    "momentum": ("dgc_adam",), "masking": ("dgc", "dgc_adam"), "stages": ("dgc",),
+                    "freeze_step": ("onebit_adam", "dgc_adam")}
+# optimizer keys that only some optimizers read (a value set for another is refused)
+OPTIMIZER_READERS = {"momentum": ("sgd",), "beta_1": ("adamw", "lamb"), "beta_2": ("adamw", "lamb"),
+                     "epsilon": ("adamw", "lamb")}
 
 
 def _refuse_unread_arguments(compression: str, args) -> None:
@@ -192,6 +201,10 @@ def _refuse_unread_arguments(compression: str, args) -> None:
         overrides = []  # a malformed item: from_config names it at build
     chosen = {compression, *(name.lower() for _, name in overrides)}
     defaults = base_config().compression_args
+    _require(args.clip_norm == defaults.clip_norm, "compression_args.clip_norm",
+             "clipping is --config.optimizer.clip_norm for every compressor (the global norm of the "
+             f"mean gradient, in every phase): drop compression_args.clip_norm={args.clip_norm} and set "
+             f"--config.optimizer.clip_norm={args.clip_norm}.")
     for key, readers in ARGUMENT_READERS.items():
         _require(args[key] == defaults[key] or bool(chosen & set(readers)), f"compression_args.{key}",
                  f"is read by {', '.join(readers)} only; {compression} would ignore {args[key]!r}: "
@@ -239,6 +252,11 @@ def _validate_train(config) -> None:
     _require(t.eval_examples >= 0, "train.eval_examples", "must be >= 0 (0 evaluates them all).")
     _require(t.nonfinite in POLICIES, "train.nonfinite",
              f"{t.nonfinite!r} is not one of {', '.join(POLICIES)}.")
+    _require(isinstance(t.accumulate, int) and t.accumulate >= 1, "train.accumulate",
+             f"must be a positive integer (1: none), got {t.accumulate!r}.")
+    _require(t.accumulate == 1 or config.mode == "loop", "train.accumulate",
+             "micro-batches per step need tfpar's loop: add --config.mode=loop (in Keras fit, "
+             "a larger --config.train.batch_size is the same update).")
     _require(not (t.nonfinite == "skip" and config.mode == "fit"), "train.nonfinite",
              "skip needs tfpar's loop (Keras fit cannot skip one update): add --config.mode=loop, "
              "or use stop.")
@@ -252,7 +270,13 @@ def _validate_optimizer(o) -> None:
     _require(o.schedule in SCHEDULES, "optimizer.schedule", f"{o.schedule!r} is not one of {', '.join(SCHEDULES)}.")
     _require(o.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0.")
     _require(o.clip_norm >= 0, "optimizer.clip_norm", "must be >= 0 (0 turns clipping off).")
+    _require(o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0 (0: none).")
     _require(0 <= o.label_smoothing < 1, "optimizer.label_smoothing", "must be in [0, 1).")
+    defaults = base_config().optimizer
+    for key, readers in OPTIMIZER_READERS.items():
+        _require(o[key] == defaults[key] or o.name in readers, f"optimizer.{key}",
+                 f"is read by {', '.join(readers)} only; {o.name} would ignore {o[key]!r}: drop it, "
+                 f"or choose --config.optimizer.name={readers[0]}.")
 
 
 def _model_fields(model: str) -> set[str]:

@@ -40,15 +40,19 @@ def build_schedule(opt, total_steps: int):
 
 
 def build_optimizer(opt, total_steps: int) -> keras.optimizers.Optimizer:
-    """AdamW, SGD with momentum, or LAMB (for the large global batches of data parallelism)."""
+    """AdamW, SGD with momentum, or LAMB (for the large global batches of data parallelism),
+    each with decoupled weight decay and clipping by the global norm of the mean gradient."""
     lr = build_schedule(opt, total_steps)
-    clip = {"global_clipnorm": opt.clip_norm} if opt.clip_norm else {}
-    if opt.name == "adamw":
-        return keras.optimizers.AdamW(lr, weight_decay=opt.weight_decay, beta_2=opt.beta_2, **clip)
+    common = {"weight_decay": opt.weight_decay or None}
+    if opt.clip_norm:
+        common["global_clipnorm"] = opt.clip_norm
+    betas = {"beta_1": opt.beta_1, "beta_2": opt.beta_2, "epsilon": opt.epsilon}
+    if opt.name == "adamw":  # AdamW wants a float, 0.0 included
+        return keras.optimizers.AdamW(lr, **betas, **{**common, "weight_decay": opt.weight_decay})
     if opt.name == "sgd":
-        return keras.optimizers.SGD(lr, momentum=opt.momentum, nesterov=opt.momentum > 0, **clip)
+        return keras.optimizers.SGD(lr, momentum=opt.momentum, nesterov=opt.momentum > 0, **common)
     if opt.name == "lamb":
-        return keras.optimizers.Lamb(lr, beta_2=opt.beta_2, **clip)
+        return keras.optimizers.Lamb(lr, **betas, **common)
     raise ValueError(f"optimizer.name={opt.name!r}: choose one of {', '.join(OPTIMIZERS)}.")
 
 

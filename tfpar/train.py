@@ -207,15 +207,17 @@ def _build(run: _Run) -> None:
         model.compile(optimizer=recipes.build_optimizer(config.optimizer, t.steps),
                       loss=recipes.SmoothedSparseCrossentropy(config.optimizer.label_smoothing),
                       steps_per_execution=t.steps_per_loop, jit_compile=t.xla)
-        optimizer = model.optimizer  # fp16: Keras wrapped it in a LossScaleOptimizer
-        optimizer.build(model.trainable_variables)
         compression = _compression(run, model)
-        if compression is not None and config.mode == "fit":
-            compress_fit(model, compression)
-    if config.mode == "loop":
+        if config.mode == "fit":
+            if compression is not None:  # dgc: its SGD's momentum moves in, a plain SGD applies
+                compress_fit(model, compression)
+            model.optimizer.build(model.trainable_variables)  # fp16: a LossScaleOptimizer
+    optimizer = model.optimizer
+    if config.mode == "loop":  # onebit_adam, dgc_adam, dgc: the Trainer's optimizer applies their step
         run.trainer = Trainer(model, optimizer, model.loss, run.strategy, steps_per_loop=t.steps_per_loop,
-                              compression=compression, nonfinite=t.nonfinite,
+                              accumulate=t.accumulate, compression=compression, nonfinite=t.nonfinite,
                               xla=None if t.xla else False)
+        optimizer = run.trainer.optimizer
     state = compression.checkpoint_items() if compression is not None else {}
     run.checkpoints = Checkpoints(run.workdir, run.info.is_chief, model=model, optimizer=optimizer, **state)
     run.model, run.optimizer, run.compression = model, optimizer, compression
@@ -234,7 +236,7 @@ def _train_data(run: _Run, step: int):
         return run.trainer.per_worker_dataset(
             data_lib.worker_train_fn(run.splits.train, t.batch_size, run.augment))
     return data_lib.distribute_train(run.strategy, run.splits.train, t.batch_size,
-                                     start_step=step, augment=run.augment)
+                                     start_step=step * t.accumulate, augment=run.augment)
 
 
 def _evaluate(run: _Run) -> dict:
@@ -261,7 +263,7 @@ def _controller(run: _Run, start: int, wire: dict | None, writer):
     from tfpar.controller import Controller
 
     t = run.config.train
-    units = t.batch_size * (run.config.data.seq_len if run.corpus else 1)
+    units = t.batch_size * t.accumulate * (run.config.data.seq_len if run.corpus else 1)
     progress = ProgressLine(t.steps, units, run.unit, lambda: current_learning_rate(run.optimizer),
                             wire, say=run.say if run.info.is_chief else None)
     # ps: a dead worker is restarted while the chief goes on; no coordinated save needed

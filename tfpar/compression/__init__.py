@@ -54,19 +54,24 @@ def from_config(name: str, ratio: float = 0.01, rank: int = 4, min_size: int = 1
     (None for 'none' with no overrides). `overrides`: "regex=name,regex=name"; `skip`: a
     comma-separated list of regexes that replaces the default skip list ("none": skip
     nothing, biases and norms included); `embeddings`: also
-    compress the embeddings with NAME. dgc: ratio, momentum (None: 0.9), clip_norm, masking,
-    sparsity_warmup_steps, stages; dgc_adam: ratio, freeze_step, momentum (None: 0),
-    clip_norm, masking; powersgd: rank or rank_schedule ("8@0,4@300"), factor_dtype;
-    warmup_steps: the uncompressed start (sent in float32, or in `warmup_compression` fp16 or
-    bf16: also onebit_adam's Adam warm-up); onebit_adam: freeze_step, clip_norm,
-    exchange_every; auto: the run's steps and one replica's tokens per step (the binary
-    passes both from its config)."""
+    compress the embeddings with NAME. dgc: ratio, masking, sparsity_warmup_steps, stages
+    (momentum, nesterov and clipping: the optimizer's SGD); dgc_adam: ratio, freeze_step,
+    momentum (its local velocity; None: 0), masking; powersgd: rank or rank_schedule
+    ("8@0,4@300"), factor_dtype; warmup_steps: the uncompressed start (sent in float32, or in
+    `warmup_compression` fp16 or bf16: also onebit_adam's Adam warm-up); onebit_adam:
+    freeze_step, exchange_every (betas, epsilon, clipping: the optimizer's AdamW); auto: the
+    run's steps and one replica's tokens per step (the binary passes both from its config).
+    `clip_norm` is refused: clipping is the optimizer's `global_clipnorm` everywhere."""
+    if clip_norm:
+        raise CompressionError("compression_args.clip_norm: clipping is the optimizer's global_clipnorm "
+                               "(--config.optimizer.clip_norm) for every compressor.")
+
     def named(key: str) -> Compressor:
         args = {"topk": {"ratio": ratio},
                 "powersgd": {"rank": rank, "rank_schedule": rank_schedule or None,
                              "factor_dtype": factor_dtype},
-                "dgc": {"ratio": ratio, "momentum": 0.9 if momentum is None else momentum, "clip_norm": clip_norm,
-                        "masking": masking, "warmup_steps": sparsity_warmup_steps, "stages": stages}}
+                "dgc": {"ratio": ratio, "masking": masking, "warmup_steps": sparsity_warmup_steps,
+                        "stages": stages}}  # momentum and clipping: the optimizer's
         return get(key, **args.get(key.lower(), {}))
 
     parsed = _parse_overrides(overrides, named)
@@ -78,7 +83,7 @@ def from_config(name: str, ratio: float = 0.01, rank: int = 4, min_size: int = 1
         if parsed:
             raise CompressionError("onebit_adam compresses every large tensor's momentum; "
                                    "compression_args.overrides do not apply (use skip/min_size).")
-        return OneBitAdam(freeze_step=freeze_step, clip_norm=clip_norm, warmup_compressor=warmup_compression,
+        return OneBitAdam(freeze_step=freeze_step, warmup_compressor=warmup_compression,
                           exchange_every=exchange_every,
                           policy=Policy(min_size=min_size, **policy_args))
     if name.lower() == "dgc_adam":
@@ -86,7 +91,7 @@ def from_config(name: str, ratio: float = 0.01, rank: int = 4, min_size: int = 1
             raise CompressionError("dgc_adam sparsifies every large tensor's Adam step; "
                                    "compression_args.overrides do not apply (use skip/min_size).")
         return DGCAdam(ratio=ratio, freeze_step=freeze_step, momentum=momentum or 0.0, masking=masking,
-                       clip_norm=clip_norm, warmup_compressor=warmup_compression,
+                       warmup_compressor=warmup_compression,
                        policy=Policy(min_size=min_size, **policy_args))
     compressor = named(name)
     if compressor.name == "none" and not parsed:
@@ -123,16 +128,18 @@ def _skip_list(skip: str, embeddings: bool) -> tuple[str, ...] | None:
 
 
 def check_config(config) -> str | None:
-    """What --config.compression needs of --config.optimizer (None: fine). dgc, onebit_adam
-    and dgc_adam keep momentum (and Adam's moments) themselves: plain SGD, no clipping."""
-    if config.compression not in ("dgc", "onebit_adam", "dgc_adam"):
-        return None
-    o = config.optimizer
-    if o.name != "sgd" or o.momentum or o.clip_norm:
-        return (f"{config.compression} keeps the momentum (and clipping) itself: add "
-                "--config.optimizer.name=sgd --config.optimizer.momentum=0 "
-                "--config.optimizer.clip_norm=0 (clip with --config.compression_args.clip_norm; "
-                f"got optimizer {o.name}, momentum {o.momentum}, clip_norm {o.clip_norm}).")
+    """What --config.compression needs of --config.optimizer (None: fine). onebit_adam and
+    dgc_adam compute AdamW's step (its betas, epsilon and clip_norm move into them); dgc
+    computes SGD's with momentum (its momentum, nesterov and clip_norm move into it)."""
+    name, optimizer = config.compression, config.optimizer.name
+    if name in ("onebit_adam", "dgc_adam") and optimizer != "adamw":
+        return (f"{name} computes AdamW's step with compressed momentum: use "
+                "--config.optimizer.name=adamw (its schedule, weight_decay, beta_1, beta_2, epsilon "
+                f"and clip_norm apply), not {optimizer}.")
+    if name == "dgc" and optimizer != "sgd":
+        return ("dgc is momentum SGD on sparsified gradients: use --config.optimizer.name=sgd (its "
+                "momentum, schedule, weight_decay and clip_norm apply), or --config.compression=dgc_adam "
+                f"with {optimizer}.")
     return None
 
 

@@ -33,6 +33,7 @@ import tensorflow as tf
 
 from absl import logging
 
+from tfpar.compression import clipping
 from tfpar.compression import dgc as dgc_lib
 from tfpar.compression import replica_state
 from tfpar.compression.compressors import (CompressionError, Compressor, GatherCompressor,
@@ -125,11 +126,16 @@ class Compression(tf.Module, GradientAggregator):
                                    "overrides the same powersgd/dgc as the main compressor.")
 
     def check_optimizer(self, optimizer) -> None:
-        """Refuses a Keras optimizer that cannot apply what this compressor returns (DGC:
-        SGD without momentum or clipping). tfpar's train binary and compress_fit call it."""
+        """Refuses a Keras optimizer that cannot apply what this compressor returns, and
+        reads what the compressor takes of it (DGC: SGD's momentum and clipping)."""
         check = getattr(self.compressor, "check_optimizer", None)
         if check is not None:
             check(optimizer)
+
+    def optimizer_for(self, optimizer):
+        """What applies the result: `optimizer`, or (DGC) a plain SGD with its learning rate."""
+        chosen = getattr(self.compressor, "optimizer_for", None)
+        return optimizer if chosen is None else chosen(optimizer)
 
     def state_variables(self) -> tuple[tf.Variable, ...]:
         """Everything this aggregator keeps per replica (residuals, Q, velocities, moments)."""
@@ -307,6 +313,8 @@ class Compression(tf.Module, GradientAggregator):
                 isinstance(chosen, DGC) and param < 1)
         if gathers:
             report["(size exchange)"] = SIZE_EXCHANGE_BYTES
+        if isinstance(self.compressor, DGC) and self.compressor.clip_norm and param < 1:
+            report["(clip norm)"] = clipping.NORM_BYTES  # the agreed norm, on the dense all-reduce
         return report
 
     def describe(self, variables: Sequence[tf.Variable]) -> list[tuple[str, str, int, int]]:

@@ -2,17 +2,21 @@
 
 Every replica keeps its own velocity u and accumulation v for each compressed tensor:
 
-    g <- clip(g, clip_norm / sqrt(R))        local gradient clipping (whole local gradient)
+    g <- g * c                               clipped: one factor c agreed by every replica
     u <- momentum * u + g                    momentum correction: the velocity is local
-    v <- v + u                               accumulated, then sparsified
+    v <- v + u   (nesterov: v + g + momentum * u)   accumulated, then sparsified
     send the k = density * n largest |v|     top-k words (indices, values), all-gathered
     v[sent] <- 0, u[sent] <- 0               error feedback + momentum-factor masking
 
-and the optimizer applies the sum of what was sent: momentum lives in the compressor, so
-the Keras optimizer must be plain SGD (momentum=0, no nesterov, no clipping of its own;
-`DGC.check_optimizer` says so by name). Tensors the policy leaves uncompressed are
-all-reduced and get the same momentum on the sum, so with nothing compressed (or density
-1.0, where nothing is masked) DGC is exactly SGD with momentum.
+and the optimizer applies the sum of what was sent. Train with the SGD you mean
+(`SGD(lr, momentum=0.9, nesterov=..., global_clipnorm=...)`): its momentum, nesterov and
+clipping move into the compressor and a plain SGD applies the step with its learning rate,
+schedule and weight decay (tfpar.compression.adopted). Tensors the policy leaves
+uncompressed are all-reduced and get the same momentum on the sum. At density 1.0 (the
+sparsity warm-up's start, or ratio 1) every gradient is summed first and clipped by its
+exact global norm, each replica keeping 1/R of the velocity: DGC is then exactly SGD with
+momentum. In a sparse stage the clip's norm estimates the compressed tensors' part from
+each replica's R g (tfpar.compression.clipping).
 
 Density warm-up (the paper's 75% -> 93.75% -> 98.4% -> 99.6% -> 99.9% sparsity): over
 `warmup_steps` steps in `stages` equal stages the density falls exponentially from
@@ -32,10 +36,15 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import keras
+
 import tensorflow as tf
 
-from tfpar.compression import packing
+from tfpar.compression import adopted, clipping, packing
 from tfpar.compression.compressors import CompressionError, Compressor
+from tfpar.strategy import private_api
+
+DEFAULT_MOMENTUM = 0.9
 
 
 class DGC(Compressor):
@@ -45,20 +54,24 @@ class DGC(Compressor):
     name = "dgc"
     error_feedback = True
 
-    def __init__(self, ratio: float = 0.001, momentum: float = 0.9, clip_norm: float = 0.0,
-                 masking: bool = True, warmup_steps: int = 0, stages: int = 4):
+    def __init__(self, ratio: float = 0.001, momentum: float | None = None, clip_norm: float | None = None,
+                 masking: bool = True, warmup_steps: int = 0, stages: int = 4, nesterov: bool = False):
         if not 0 < ratio <= 1:
             raise CompressionError(f"dgc ratio must be in (0, 1], got {ratio}.")
-        if not 0 <= momentum < 1:
+        if momentum is not None and not 0 <= momentum < 1:
             raise CompressionError(f"dgc momentum must be in [0, 1), got {momentum}.")
-        if clip_norm < 0 or warmup_steps < 0 or stages < 1:
+        if (clip_norm or 0) < 0 or warmup_steps < 0 or stages < 1:
             raise CompressionError("dgc clip_norm and warmup_steps must be >= 0, stages >= 1.")
         if 0 < warmup_steps < stages:
             raise CompressionError(
                 f"dgc sparsity warm-up of {warmup_steps} steps ends before its {stages} stages "
                 f"start: use warmup_steps >= {stages} (or stages <= {warmup_steps}, or 0).")
-        self.ratio, self.momentum, self.clip_norm = ratio, momentum, clip_norm
+        self._given = {"momentum": momentum, "clip_norm": clip_norm}
+        self.ratio, self.nesterov = ratio, nesterov
+        self.momentum = DEFAULT_MOMENTUM if momentum is None else momentum
+        self.clip_norm = clip_norm or 0.0
         self.masking, self.warmup_steps, self.stages = masking, warmup_steps, stages
+        self._adopted = None
 
     # -- the schedule ------------------------------------------------------------------
 
@@ -87,30 +100,31 @@ class DGC(Compressor):
     # -- what it asks of the optimizer ----------------------------------------------------
 
     def check_optimizer(self, optimizer) -> None:
-        """Refuses an optimizer that would apply momentum (or clip) a second time."""
-        inner = getattr(optimizer, "inner_optimizer", optimizer)
-        momentum = getattr(inner, "momentum", None)
-        if not isinstance(inner, _sgd_class()) or momentum or getattr(inner, "nesterov", False):
+        """Takes SGD's momentum, nesterov and global_clipnorm (a plain SGD: DGC's own);
+        refuses any other optimizer by name."""
+        inner = private_api.base_optimizer(optimizer)
+        if not isinstance(inner, keras.optimizers.SGD):
             raise CompressionError(
-                f"dgc keeps the momentum itself (momentum correction): train with "
-                f"keras.optimizers.SGD(learning_rate, momentum=0.0), not {type(inner).__name__}"
-                f"{f' with momentum={momentum}' if momentum else ''}; pass the momentum as "
-                "DGC(momentum=...) (config: --config.optimizer.name=sgd "
-                "--config.optimizer.momentum=0 --config.compression_args.momentum=0.9).")
-        if inner.clipnorm or inner.clipvalue or inner.global_clipnorm:
-            raise CompressionError(
-                "dgc clips each replica's gradient itself (local clipping): leave the optimizer's "
-                "clipping off and pass DGC(clip_norm=...) (config: --config.optimizer.clip_norm=0 "
-                "--config.compression_args.clip_norm=1.0).")
+                f"dgc is momentum SGD on sparsified gradients: train with keras.optimizers.SGD("
+                f"learning_rate, momentum=0.9) (its momentum, nesterov, global_clipnorm, schedule "
+                f"and weight decay apply), not {type(inner).__name__}; for Adam use dgc_adam "
+                "(config: --config.optimizer.name=sgd, or --config.compression=dgc_adam).")
+        adopted.refuse_options_of(optimizer, "dgc", "global_clipnorm")
+        self._adopted = None if adopted.is_plain_sgd(inner) else inner
+        if self._adopted is None:
+            return
+        if inner.momentum:  # else DGC's own (given, or its default)
+            self.momentum = adopted.agree("dgc", "momentum", self._given["momentum"], inner.momentum,
+                                          DEFAULT_MOMENTUM)
+        self.nesterov = bool(inner.nesterov) or self.nesterov
+        self.clip_norm = adopted.agree("dgc", "clip_norm", self._given["clip_norm"], inner.global_clipnorm, 0.0)
+
+    def optimizer_for(self, optimizer):
+        """A plain SGD with the SGD's learning rate, weight decay and EMA (or the plain SGD given)."""
+        return optimizer if self._adopted is None else adopted.plain_sgd_for(optimizer)
 
     def __repr__(self):
         return f"dgc({self.ratio:g})"
-
-
-def _sgd_class():
-    import keras
-
-    return keras.optimizers.SGD
 
 
 def top_k_words(x: tf.Tensor, k: int) -> tuple[tf.Tensor, tf.Tensor]:
@@ -132,33 +146,42 @@ def aggregate(dgc: DGC, slots: Sequence[dict], gradients: Sequence[tf.Tensor],
     """One DGC step (replica context). `slots[i]` holds 'velocity' (every tensor) and
     'residual' (compressed ones); `gradients` are dense float32; `all_reduce` and
     `all_gather` are the fused collectives. Returns what the optimizer applies."""
-    if dgc.clip_norm:  # the threshold scaled by R^-1/2, as the paper does
-        gradients, _ = tf.clip_by_global_norm(list(gradients), dgc.clip_norm / math.sqrt(replicas))
+    if density >= 1 or not any(compressed):
+        return _dense_step(dgc, slots, gradients, compressed, replicas, all_reduce)
+    dense = [i for i, c in enumerate(compressed) if not c]
+    index = [i for i, c in enumerate(compressed) if c]
+    sums, local = clipping.reduce_and_clip(dgc.clip_norm, [gradients[i] for i in dense],
+                                           [gradients[i] * replicas for i in index], replicas, all_reduce)
     result: list = [None] * len(gradients)
-    dense_sent, dense_index, sparse = [], [], []
-    for i, (g, slot, c) in enumerate(zip(gradients, slots, compressed)):
-        if not c:  # all-reduced, then momentum on the sum (the same on every replica)
-            dense_sent.append(g)
-            dense_index.append(i)
+    for i, summed in zip(dense, sums):  # momentum on the sum: the same on every replica
+        result[i] = _momentum_step(dgc, slots[i]["velocity"], summed)
+    sparse = []
+    for i, estimate in zip(index, local):  # this replica's share: R g / R, clipped
+        step = _momentum_step(dgc, slots[i]["velocity"], estimate / replicas)
+        sparse.append((i, slots[i]["residual"] + step))
+    _sparse_step(dgc, slots, sparse, density, all_gather, result)
+    return result
+
+
+def _momentum_step(dgc: DGC, velocity: tf.Variable, gradient: tf.Tensor) -> tf.Tensor:
+    """u <- momentum u + g; returns u, or g + momentum u with nesterov (Keras SGD's step)."""
+    updated = dgc.momentum * velocity + gradient
+    velocity.assign(updated)
+    return gradient + dgc.momentum * updated if dgc.nesterov else updated
+
+
+def _dense_step(dgc, slots, gradients, compressed, replicas, all_reduce) -> list[tf.Tensor]:
+    """Density 1: every gradient summed and clipped by its exact global norm, then SGD with
+    momentum on the sum. A compressed tensor's velocity is kept as 1/R on each replica (its
+    share of the sum the sparse stages go on from), so R times its step is the sum's."""
+    sums = clipping.clip_exactly(dgc.clip_norm, all_reduce(list(gradients)))
+    result = []
+    for summed, slot, c in zip(sums, slots, compressed):
+        if not c:
+            result.append(_momentum_step(dgc, slot["velocity"], summed))
             continue
-        velocity = dgc.momentum * slot["velocity"] + g
-        slot["velocity"].assign(velocity)
-        accumulated = slot["residual"] + velocity
-        if density >= 1:  # nothing left behind, nothing masked: SGD with momentum, exactly
-            slot["residual"].assign(tf.zeros_like(accumulated))
-            dense_sent.append(accumulated)
-            dense_index.append(i)
-        else:
-            sparse.append((i, accumulated))
-    for i, summed in zip(dense_index, all_reduce(dense_sent)):
-        if compressed[i]:
-            result[i] = summed
-        else:
-            velocity = dgc.momentum * slots[i]["velocity"] + summed
-            slots[i]["velocity"].assign(velocity)
-            result[i] = velocity
-    if sparse:
-        _sparse_step(dgc, slots, sparse, density, all_gather, result)
+        slot["residual"].assign(tf.zeros_like(slot["residual"]))  # nothing is owed at density 1
+        result.append(replicas * _momentum_step(dgc, slot["velocity"], summed / replicas))
     return result
 
 

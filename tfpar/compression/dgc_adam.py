@@ -13,8 +13,10 @@ replica r keeps
     a_r[sent] <- 0 (and u_r[sent] <- 0 if mu > 0)     error feedback (+ momentum-factor masking)
 
 and the optimizer applies the mean of what was sent (c_t: Adam's bias factors, the
-variance's frozen at `freeze_step`; the momentum's only with a velocity). Local clipping (`clip_norm`) bounds R g_r by its global
-norm. The top-k runs in units of Adam's step, not of the gradient: an entry with a small
+variance's frozen at `freeze_step`; the momentum's only with a velocity). Clipping is the
+global norm of the mean gradient over every tensor, R g_r estimating the compressed part
+(tfpar.compression.clipping). As in 1-bit Adam, train with the Adam or AdamW you mean: its
+betas, epsilon and global_clipnorm move in here and an SGD applies the step. The top-k runs in units of Adam's step, not of the gradient: an entry with a small
 variance moves the weight more per unit of gradient, and is picked by how far it would move it.
 
 `momentum=0` is the default because it measured best (gpt_tiny, 600 steps, 50x; docs/
@@ -27,8 +29,8 @@ warm-up's agreed momentum. Tensors the policy leaves out keep full Adam on a flo
 all-reduce, as in 1-bit Adam; so does the warm-up (`warmup_compressor`: fp16 or bf16).
 
 Example:
-    >>> trainer = Trainer(model, keras.optimizers.SGD(schedule), loss, strategy=strategy,
-    ...                   compression=DGCAdam(ratio=0.01, freeze_step=120, clip_norm=1.0))
+    >>> trainer = Trainer(model, keras.optimizers.AdamW(schedule, global_clipnorm=1.0), loss,
+    ...                   strategy=strategy, compression=DGCAdam(ratio=0.01, freeze_step=120))
 """
 
 from __future__ import annotations
@@ -54,8 +56,9 @@ class DGCAdam(OneBitAdam):
     kind = "dgc_adam"
 
     def __init__(self, ratio: float = 0.01, freeze_step: int = 100, momentum: float = 0.0,
-                 masking: bool = True, beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7,
-                 clip_norm: float = 0.0, policy: Policy | None = None, warmup_compressor: str = "none"):
+                 masking: bool = True, beta_1: float | None = None, beta_2: float | None = None,
+                 epsilon: float | None = None, clip_norm: float | None = None, policy: Policy | None = None,
+                 warmup_compressor: str = "none"):
         if not 0 < ratio <= 1:
             raise CompressionError(f"dgc_adam ratio must be in (0, 1] (the fraction of entries sent), "
                                    f"got {ratio}.")
@@ -95,8 +98,8 @@ class DGCAdam(OneBitAdam):
             report.update({"all_gather": 8 * self.k, "(size exchange)": SIZE_EXCHANGE_BYTES})
         return report
 
-    def _compressed_step(self, context, grads, replicas, communicate, t, result) -> None:
-        index, local = self._local_estimates(grads, replicas)
+    def _compressed_step(self, context, index, local, replicas, communicate, t, result) -> None:
+        """`local`: this replica's R g of the compressed tensors `index`, clipped."""
         velocity = self._concat_flat(local)
         if self.momentum:  # the first compressed step starts from the warm-up's agreed momentum
             # (t: a checkpoint from before the flag restores it as 0 past the first step)

@@ -6,7 +6,9 @@ in that place, so `model.fit` under the injected strategy sends every gradient o
 through the compressor; the rest of fit (metrics, callbacks, steps_per_execution) is
 untouched. Anything with phases (warm-up steps, DGC's density warm-up, PowerSGD's rank
 schedule, 1-bit Adam's freeze) needs tfpar's loop (fit traces one step) and is refused
-here; DGC without warm-up works (SGD without momentum, see DGC.check_optimizer).
+here; DGC without warm-up works: the model's SGD momentum, nesterov and clipping move into
+DGC and a plain SGD with its learning rate replaces `model.optimizer`. Keras's clip, weight
+decay, accumulation and EMA then act on the decompressed sum (tfpar.strategy.optimizer_update).
 
 Example:
     >>> with strategy.scope():
@@ -23,7 +25,7 @@ import keras
 from tfpar.compression.auto import Auto
 from tfpar.compression.compressed_aggregator import Compression
 from tfpar.compression.compressors import CompressionError, Compressor
-from tfpar.strategy import keras_fixes, private_api
+from tfpar.strategy import private_api
 
 
 def compress_fit(model: keras.Model, compression: Compressor | Compression) -> Compression:
@@ -50,6 +52,8 @@ def compress_fit(model: keras.Model, compression: Compressor | Compression) -> C
     compression.check_optimizer(model.optimizer)
     variables = list(model.trainable_weights)
     compression.build(variables)
+    model.optimizer = compression.optimizer_for(model.optimizer)
+
     def all_reduce(grads_and_vars):
         grads_and_vars = list(grads_and_vars)
         if len(grads_and_vars) != len(variables):
@@ -57,8 +61,7 @@ def compress_fit(model: keras.Model, compression: Compressor | Compression) -> C
                 f"The optimizer got {len(grads_and_vars)} gradients for {len(variables)} trainable "
                 "weights: compress_fit needs every trainable weight to have a gradient.")
         grads = compression([g for g, _ in grads_and_vars], variables)
-        grads = [keras_fixes.sum_repeated_rows(g) for g in grads]  # as fix 4 does for plain fit
-        return list(zip(grads, [v for _, v in grads_and_vars]))
+        return list(zip(grads, [v for _, v in grads_and_vars]))  # fix 4 sums sparse rows next
 
     private_api.replace_all_reduce(model.optimizer, all_reduce)
     return compression

@@ -1,9 +1,11 @@
 """1-bit Adam (Tang et al., 2021; DeepSpeed): Adam warm-up, then frozen variance and
 1-bit compressed momentum, error-compensated on the sending and the receiving side.
 
-An aggregator that owns Adam's moments and returns Adam's step direction, so the Keras
-optimizer must be plain SGD (momentum=0, no clipping; its learning rate, schedule and
-weight decay are Adam's, since AdamW's decoupled decay and SGD's are the same update):
+An aggregator that owns Adam's moments and returns Adam's step direction. Train with the
+Adam or AdamW you mean: its betas, epsilon and `global_clipnorm` move into the compressor,
+and a plain SGD with its learning rate, schedule, weight decay and EMA applies the step
+(AdamW's decoupled decay and SGD's are the same update; tfpar.compression.adopted). A plain
+SGD (momentum 0, no clipping) is taken as it is, with the compressor's own betas.
 
 - warm-up (`freeze_step` steps): gradients summed by one all-reduce (in float32, or every
   tensor in 16 bits with `warmup_compressor="fp16"`/"bf16": half the bytes; clipped by their
@@ -13,7 +15,12 @@ weight decay are Adam's, since AdamW's decoupled decay and SGD's are the same up
   local gradient (times R: an estimate of the sum), the momenta are averaged by the
   two-phase 1-bit all-reduce (tfpar.compression.two_phase) and every replica continues from
   that average. Tensors the policy leaves out (biases, norms, small ones) keep full Adam
-  on a float32 all-reduce;
+  on a float32 all-reduce. Clipping stays the global norm of the mean gradient over every
+  tensor (tfpar.compression.clipping: the compressed tensors' part estimated from each
+  replica's R g, one float on the dense all-reduce). Entries whose frozen variance is
+  below epsilon^2 (unused embedding rows, dead units, padding) keep a zero momentum: 1 bit
+  cannot send 0, and such an entry would move scale / epsilon every step (DeepSpeed's
+  `exp_avg_mask`, found here from v itself);
 - `exchange_every=K` (K > 1) sends the 1-bit momentum on every K-th compressed step only,
   K times fewer bytes. In between every replica steps with the last agreed momentum m as
   its prediction of the step's momentum (the weights stay identical on every replica), and
@@ -28,8 +35,9 @@ weight decay are Adam's, since AdamW's decoupled decay and SGD's are the same up
   al., 2023) gets from local steps, without letting the weights drift.
 
 Example:
-    >>> trainer = Trainer(model, keras.optimizers.SGD(schedule), loss, strategy=strategy,
-    ...                   aggregator=OneBitAdam(freeze_step=100))
+    >>> optimizer = keras.optimizers.AdamW(schedule, weight_decay=0.01, beta_2=0.98, global_clipnorm=1.0)
+    >>> trainer = Trainer(model, optimizer, loss, strategy=strategy,
+    ...                   compression=OneBitAdam(freeze_step=100))
     >>> OneBitAdam(freeze_step=100, exchange_every=2)   # 1 bit every other step
 """
 
@@ -41,13 +49,17 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from tfpar.compression import accounting, collectives, two_phase
+import keras
+
+from tfpar.compression import accounting, adopted, clipping, collectives, two_phase
 from tfpar.compression.compressed_aggregator import Compression, _check_dtype_support, _dense
 from tfpar.compression.replica_state import SAME, THIS_COUNT, per_replica
 from tfpar.compression.compressors import CompressionError, Sign
-from tfpar.compression.dgc import _sgd_class
 from tfpar.compression.policy import Policy, start_compressor
 from tfpar.loop.aggregation import communicates
+from tfpar.strategy import private_api
+
+DEFAULTS = {"beta_1": 0.9, "beta_2": 0.999, "epsilon": 1e-7, "clip_norm": 0.0}  # Keras Adam's
 
 
 def max_exchange_every(beta_1: float = 0.9) -> int:
@@ -60,8 +72,8 @@ class OneBitAdam(Compression):
 
     kind = "onebit_adam"  # its name in configs and messages
 
-    def __init__(self, freeze_step: int = 100, beta_1: float = 0.9, beta_2: float = 0.999,
-                 epsilon: float = 1e-7, clip_norm: float = 0.0, policy: Policy | None = None,
+    def __init__(self, freeze_step: int = 100, beta_1: float | None = None, beta_2: float | None = None,
+                 epsilon: float | None = None, clip_norm: float | None = None, policy: Policy | None = None,
                  warmup_compressor: str = "none", exchange_every: int = 1):
         tf.Module.__init__(self, name=self.kind)  # a Compression by kind (Trainer's
         # compression= takes it), with its own state and step
@@ -71,15 +83,9 @@ class OneBitAdam(Compression):
         if exchange_every < 1:
             raise CompressionError(f"onebit_adam exchange_every must be >= 1 (send the compressed "
                                    f"momentum every K-th step; 1: every step), got {exchange_every}.")
-        if not (0 <= beta_1 < 1 and 0 <= beta_2 < 1) or epsilon <= 0 or clip_norm < 0:
-            raise CompressionError(f"{self.kind} needs betas in [0, 1), epsilon > 0, clip_norm >= 0.")
-        if exchange_every > max_exchange_every(beta_1):
-            raise CompressionError(
-                f"onebit_adam exchange_every={exchange_every} is more than 1 / (1 - beta_1) = "
-                f"{1 / (1 - beta_1):.4g}: the held momentum would flip sign every exchange (and grow "
-                f"without bound from {2 / (1 - beta_1):.4g}). Use exchange_every <= {max_exchange_every(beta_1)}.")
-        self.freeze_step, self.beta_1, self.beta_2 = freeze_step, beta_1, beta_2
-        self.epsilon, self.clip_norm, self.exchange_every = epsilon, clip_norm, exchange_every
+        self.freeze_step, self.exchange_every = freeze_step, exchange_every
+        self._given = {"beta_1": beta_1, "beta_2": beta_2, "epsilon": epsilon, "clip_norm": clip_norm}
+        self._set_hyperparameters(self._given)
         self.warmup_compressor = start_compressor(warmup_compressor, f"{self.kind} warmup_compressor")
         self.policy = policy or Policy()
         self.compressed: list[bool] = []
@@ -90,6 +96,19 @@ class OneBitAdam(Compression):
         start = f", {self.warmup_compressor!r} start" if self.warmup_compressor else ""
         every = f", every {self.exchange_every} steps" if self.exchange_every > 1 else ""
         return f"onebit_adam(freeze={self.freeze_step}{start}{every})"
+
+    def _set_hyperparameters(self, values: dict) -> None:
+        """Betas, epsilon and clip_norm: `values` where given (not None), else Keras Adam's."""
+        chosen = {k: DEFAULTS[k] if values.get(k) is None else float(values[k]) for k in DEFAULTS}
+        beta_1, beta_2, epsilon, clip_norm = (chosen[k] for k in DEFAULTS)
+        if not (0 <= beta_1 < 1 and 0 <= beta_2 < 1) or epsilon <= 0 or clip_norm < 0:
+            raise CompressionError(f"{self.kind} needs betas in [0, 1), epsilon > 0, clip_norm >= 0.")
+        if self.exchange_every > max_exchange_every(beta_1):
+            raise CompressionError(
+                f"onebit_adam exchange_every={self.exchange_every} is more than 1 / (1 - beta_1) = "
+                f"{1 / (1 - beta_1):.4g}: the held momentum would flip sign every exchange (and grow "
+                f"without bound from {2 / (1 - beta_1):.4g}). Use exchange_every <= {max_exchange_every(beta_1)}.")
+        self.beta_1, self.beta_2, self.epsilon, self.clip_norm = beta_1, beta_2, epsilon, clip_norm
 
     # -- contract --------------------------------------------------------------------------
 
@@ -153,18 +172,33 @@ class OneBitAdam(Compression):
         return {"compression": self}
 
     def check_optimizer(self, optimizer) -> None:
-        """Refuses an optimizer that would add momentum, adaptivity or clipping again."""
-        inner = getattr(optimizer, "inner_optimizer", optimizer)
-        if not isinstance(inner, _sgd_class()) or inner.momentum or inner.nesterov:
+        """Takes Adam's or AdamW's betas, epsilon and global_clipnorm (see module docstring);
+        a plain SGD is taken as it is. Anything else is refused, by name."""
+        inner = private_api.base_optimizer(optimizer)
+        self._adopted = None
+        if adopted.is_plain_sgd(inner):
+            adopted.refuse_options_of(optimizer, self.kind, f"{type(self).__name__}(clip_norm=...)")
+            return
+        if not isinstance(inner, keras.optimizers.Adam) or inner.amsgrad:
             raise CompressionError(
-                f"{self.kind} computes Adam's step itself: train with keras.optimizers.SGD("
-                f"learning_rate, momentum=0.0), not {type(inner).__name__}; its learning rate "
-                "(and weight_decay) are Adam's (config: --config.optimizer.name=sgd "
-                "--config.optimizer.momentum=0).")
-        if inner.clipnorm or inner.clipvalue or inner.global_clipnorm:
-            raise CompressionError(f"{self.kind} clips the gradients itself: leave the optimizer's "
-                                   f"clipping off and pass {type(self).__name__}(clip_norm=...) (config: "
-                                   "--config.optimizer.clip_norm=0 --config.compression_args.clip_norm=1.0).")
+                f"{self.kind} computes Adam's step with compressed momentum: train with "
+                f"keras.optimizers.Adam or AdamW (amsgrad off), not {type(inner).__name__}"
+                f"{' with amsgrad' if getattr(inner, 'amsgrad', False) else ''}; its learning rate, "
+                "schedule, betas, epsilon, weight decay and global_clipnorm apply (config: "
+                "--config.optimizer.name=adamw).")
+        adopted.refuse_options_of(optimizer, self.kind, "global_clipnorm")
+        found = {"beta_1": inner.beta_1, "beta_2": inner.beta_2, "epsilon": inner.epsilon,
+                 "clip_norm": inner.global_clipnorm}
+        self._set_hyperparameters({k: adopted.agree(self.kind, k, self._given[k], found[k], DEFAULTS[k])
+                                   for k in DEFAULTS})
+        self._adopted = inner
+
+    def optimizer_for(self, optimizer):
+        """A plain SGD with the Adam's learning rate, weight decay and EMA (or the plain SGD
+        given)."""
+        if getattr(self, "_adopted", None) is None:
+            return optimizer
+        return adopted.plain_sgd_for(optimizer)
 
     # -- bytes -----------------------------------------------------------------------------
 
@@ -186,8 +220,9 @@ class OneBitAdam(Compression):
         """Bytes of the dense all-reduce: every tensor in the warm-up (in float32 or its start
         compressor), those the policy leaves out after it."""
         start = self.warmup_compressor if phase == "warmup" else None
-        return sum(start.payload_bytes(int(v.shape.num_elements())) if start else 4 * int(v.shape.num_elements())
-                   for v, c in zip(variables, self.compressed) if phase == "warmup" or not c)
+        norm = clipping.NORM_BYTES if self.clip_norm and phase != "warmup" and any(self.compressed) else 0
+        return norm + sum(start.payload_bytes(int(v.shape.num_elements())) if start else 4 * int(v.shape.num_elements())
+                          for v, c in zip(variables, self.compressed) if phase == "warmup" or not c)
 
     # -- the step (replica context) --------------------------------------------------------
 
@@ -200,14 +235,21 @@ class OneBitAdam(Compression):
         self.iterations.assign(t)
         warm = self._phase == "warmup"
         dense = [i for i, c in enumerate(self.compressed) if warm or not c]
-        summed = [grads[i] for i in dense]
-        start = self.warmup_compressor if warm else None
-        if summed and communicate:
-            sent = [start.encode(g, replicas) for g in summed] if start else summed
+        index = [] if warm else [i for i, c in enumerate(self.compressed) if c]
+
+        def all_reduce(tensors):
+            if not tensors or not communicate:
+                return list(tensors)
+            start = self.warmup_compressor if warm else None
+            sent = [start.encode(g, replicas) for g in tensors] if start else tensors
             summed = context.all_reduce(tf.distribute.ReduceOp.SUM, sent)
-            summed = [start.decode(g, replicas) for g in summed] if start else summed
-        if self.clip_norm and warm:
-            summed, _ = tf.clip_by_global_norm(summed, self.clip_norm)
+            return [start.decode(g, replicas) for g in summed] if start else summed
+
+        # the mean gradient where it is known, each replica's estimate R g where it is not,
+        # clipped by one factor (tfpar.compression.clipping)
+        summed, local = clipping.reduce_and_clip(
+            self.clip_norm, [grads[i] for i in dense], [grads[i] * replicas for i in index],
+            replicas, all_reduce)
         result: list = [None] * len(grads)
         b1 = 1 - tf.pow(self.beta_1, t)
         for i, g in zip(dense, summed):
@@ -216,8 +258,8 @@ class OneBitAdam(Compression):
             self.m[i].assign(m)
             self.v[i].assign(v)
             result[i] = tf.sqrt(1 - tf.pow(self.beta_2, t)) / b1 * m / (tf.sqrt(v) + self.epsilon)
-        if not warm and self.padded:
-            self._compressed_step(context, grads, replicas, communicate, t, result)
+        if index and self.padded:
+            self._compressed_step(context, index, local, replicas, communicate, t, result)
         return result
 
     def _exchange_every_k(self, t, agreed, added, exchange) -> tf.Tensor:
@@ -252,15 +294,6 @@ class OneBitAdam(Compression):
         tf.cond(tf.logical_and(first, stale), say, lambda: tf.constant(0))
         self.error_replicas.assign(float(replicas))
 
-    def _local_estimates(self, grads, replicas: int) -> tuple[list[int], list[tf.Tensor]]:
-        """(the compressed tensors' indices, this replica's estimate of their sum, R g, clipped
-        by its global norm to `clip_norm`)."""
-        index = [i for i, c in enumerate(self.compressed) if c]
-        local = [grads[i] * replicas for i in index]
-        if self.clip_norm:
-            local, _ = tf.clip_by_global_norm(local, self.clip_norm)
-        return index, local
-
     def _concat_flat(self, parts) -> tf.Tensor:
         """The compressed tensors as one vector of `padded` entries (zeros at the end)."""
         flat = tf.concat([tf.reshape(p, [-1]) for p in parts], 0)
@@ -271,9 +304,13 @@ class OneBitAdam(Compression):
         sizes = [int(self.m[i].shape.num_elements()) for i in index]
         return [tf.reshape(part, self.m[i].shape) for i, part in zip(index, tf.split(flat[:sum(sizes)], sizes))]
 
-    def _compressed_step(self, context, grads, replicas, communicate, t, result) -> None:
+    def _frozen_variance_mask(self, i: int) -> tf.Tensor:
+        """1 where the frozen variance can carry a 1-bit momentum (v > epsilon^2), else 0."""
+        return tf.cast(self.v[i] > self.epsilon ** 2, tf.float32)
+
+    def _compressed_step(self, context, index, local, replicas, communicate, t, result) -> None:
+        """`local`: this replica's R g of the compressed tensors `index`, clipped."""
         self._say_if_errors_were_reset(replicas)
-        index, local = self._local_estimates(grads, replicas)
         agreed = self._concat_flat([self.m[i] for i in index])             # the same on every replica
         added = self._concat_flat([(1 - self.beta_1) * g for g in local])  # this replica's gradient
 
@@ -287,5 +324,6 @@ class OneBitAdam(Compression):
             mean = self._exchange_every_k(t, agreed, added, exchange)
         frozen = math.sqrt(1 - self.beta_2 ** self.freeze_step) / (1 - tf.pow(self.beta_1, t))
         for i, m in zip(index, self._split_flat(mean, index)):
+            m = m * self._frozen_variance_mask(i)
             self.m[i].assign(m)
             result[i] = frozen * m / (tf.sqrt(self.v[i]) + self.epsilon)
