@@ -1,9 +1,9 @@
 """The progress line, and Keras `fit` driving tfpar's Controller.
 
-`ProgressLine` formats what a report measured (loss, throughput, bytes on the wire,
-learning rate, ETA). `keras_fit` runs `model.fit` in the runs the Controller plans, with
-one adapter callback (`DriveController`), the one place where Keras's (epoch, batch)
-becomes the global step.
+`ProgressLine` formats what a report measured (loss, throughput, bytes on the wire in
+each phase of a compression schedule, learning rate, ETA). `keras_fit` runs `model.fit`
+in the runs the Controller plans, with one adapter callback (`DriveController`), the one
+place where Keras's (epoch, batch) becomes the global step.
 
 Example:
     >>> controller = Controller(total_steps=600, steps_per_loop=10, log_every=50,
@@ -13,9 +13,10 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import keras
 import tensorflow as tf
@@ -43,21 +44,79 @@ def current_learning_rate(optimizer) -> float:
     return float(tf.convert_to_tensor(value))  # a Keras variable may hold a MirroredVariable
 
 
+@dataclasses.dataclass(frozen=True)
+class WirePhase:
+    """What one replica hands to collectives per step from `first_step` on, until the next
+    phase's first step (e.g. a float32 warm-up, then the compressed steps)."""
+
+    name: str
+    first_step: int
+    bytes_per_step: int
+    fp32_bytes_per_step: int
+
+    @property
+    def ratio(self) -> float:
+        """Float32 bytes per byte sent."""
+        return _ratio(self.fp32_bytes_per_step, self.bytes_per_step)
+
+
+def _ratio(fp32_bytes: float, sent: float) -> float:
+    return fp32_bytes / sent if sent else math.inf
+
+
+def _times(ratio: float) -> str:
+    return f"{ratio:.1f}x" if ratio < 10 else f"{ratio:.0f}x"
+
+
+def wire_between(phases: Sequence[WirePhase], first: int, end: int) -> tuple[int, int, list[str]]:
+    """(bytes sent, float32 bytes, names of the phases) of steps `first` .. `end - 1`, each
+    phase weighed by its steps there. `phases` are in step order; the first one also
+    covers any step before its `first_step`."""
+    sent = fp32 = 0
+    names = []
+    for index, phase in enumerate(phases):
+        lo = phase.first_step if index else -math.inf
+        hi = phases[index + 1].first_step if index + 1 < len(phases) else math.inf
+        steps = max(0, int(min(end, hi) - max(first, lo)))
+        if steps:
+            sent, fp32 = sent + steps * phase.bytes_per_step, fp32 + steps * phase.fp32_bytes_per_step
+            names.append(phase.name)
+    return sent, fp32, names
+
+
+def wire_start_line(phases: Sequence[WirePhase], compression: str, total_steps: int) -> str:
+    """The start line: each phase with its first step, bytes per replica per step and ratio,
+    and the average over the steps to `total_steps` when there are several."""
+    if len(phases) == 1:
+        return (f"wire: {phases[0].bytes_per_step:,} bytes per replica per step, "
+                f"{phases[0].ratio:.1f}x fewer than float32 ({compression})")
+    sent, fp32, _ = wire_between(phases, phases[0].first_step, total_steps)
+    listed = ", ".join(f"{p.name} {p.bytes_per_step:,} B ({_times(p.ratio)}) from step {p.first_step}"
+                       for p in phases)
+    return f"wire: per replica per step, {listed}; run average {_times(_ratio(fp32, sent))} ({compression})"
+
+
 class ProgressLine:
     """`step N/TOTAL | loss | tok/s | wire | lr | ETA`, one line per report.
+
+    The wire part is the window's bytes per second (per replica) and its ratio to float32;
+    with several phases it names the phase (`wire warmup 1.9 MB/s (1.0x)`, a window across
+    a boundary `wire warmup->compressed ...`, its steps in each phase weighed); the line at
+    the last step adds the run's bytes sent and average ratio (`| run 4.2 MB sent (2.4x)`).
 
     Args:
       total_steps: the run's last step. units_per_step, unit: throughput (e.g. 4096, "tok").
       learning_rate: `() -> float`, the current learning rate (None: not shown).
-      wire: bytes per replica per step and ratio to float32 (None: nothing all-reduced).
+      wire: the run's `WirePhase`s in step order (None or empty: nothing all-reduced).
       say: where the line goes (None: nowhere; the values are still measured).
     """
 
     def __init__(self, total_steps: int, units_per_step: int = 1, unit: str = "ex",
-                 learning_rate: Callable[[], float] | None = None, wire: dict | None = None,
+                 learning_rate: Callable[[], float] | None = None,
+                 wire: Sequence[WirePhase] | None = None,
                  say: Callable[[str], None] | None = logging.info):
         self.total_steps, self.units_per_step, self.unit = total_steps, units_per_step, unit
-        self.learning_rate, self.wire, self.say = learning_rate, wire, say
+        self.learning_rate, self.wire, self.say = learning_rate, list(wire or ()), say
         self.last: dict = {}
         self._t0 = self._window_t = None
         self._first = self._window_step = 0
@@ -82,11 +141,7 @@ class ProgressLine:
         values = {"step": step, "loss": loss, f"{self.unit}_per_s": rate}
         if self.learning_rate is not None:
             values["learning_rate"] = self.learning_rate()
-        wire = ""
-        if self.wire:
-            values.update(wire_bytes_per_s=self.wire["bytes_per_step"] * steps / seconds,
-                          compression_ratio=self.wire["ratio"])
-            wire = f" | wire {_size(values['wire_bytes_per_s'])}/s ({self.wire['ratio']:.0f}x)"
+        wire = self._wire(step, seconds, values) if self.wire else ""
         self.last, self._window_t, self._window_step = values, now, step
         if self.say is not None:
             lr = f" | lr {values['learning_rate']:.2e}" if "learning_rate" in values else ""
@@ -94,6 +149,23 @@ class ProgressLine:
                      f"{rate:,.0f} {self.unit}/s{wire}{lr} | "
                      f"ETA {_duration(per_step * (self.total_steps - step))}")
         return values
+
+    def _wire(self, step: int, seconds: float, values: dict) -> str:
+        """Adds the window's and the run's bytes to `values`; returns the line's wire part."""
+        steps = step - self._window_step
+        last = step - 1 if steps else step  # the window's last step
+        phase = max(i for i, p in enumerate(self.wire) if i == 0 or p.first_step <= last)
+        sent, fp32, names = wire_between(self.wire, self._window_step, step)
+        ratio = _ratio(fp32, sent) if sent else self.wire[phase].ratio
+        run_sent, run_fp32, _ = wire_between(self.wire, self._first, step)
+        values.update(wire_bytes_per_s=sent / seconds, compression_ratio=ratio, wire_phase=phase,
+                      wire_bytes_per_step=sent / max(steps, 1), wire_bytes_sent=run_sent,
+                      run_compression_ratio=_ratio(run_fp32, run_sent) if run_sent else ratio)
+        name = f" {'->'.join(names or [self.wire[phase].name])}" if len(self.wire) > 1 else ""
+        text = f" | wire{name} {_size(values['wire_bytes_per_s'])}/s ({_times(ratio)})"
+        if step >= self.total_steps:
+            text += f" | run {_size(run_sent)} sent ({_times(values['run_compression_ratio'])})"
+        return text
 
 
 class DriveController(keras.callbacks.Callback):

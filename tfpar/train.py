@@ -120,22 +120,41 @@ def _positions(model, info: dict) -> int:
     return info["max_len"]
 
 
-def _wire_bytes(info, model, compression, trainer, train_data, asynchronous,
-                last_step: int) -> dict | None:
-    """Bytes per replica per step: counted from the traced step (loop; with a stateful
-    compressor that includes the 4-byte finiteness flag, `check_bytes_per_step`), or the
-    compressor's analytic sizes (fit, whose step Keras traces; the loop's tests show that
-    the gradients' counted bytes equal them)."""
+def _wire_bytes(info, model, compression, trainer, train_data, asynchronous, start: int,
+                total: int, name: str) -> list | None:
+    """The phases on the wire (tfpar.callbacks.WirePhase) of the steps this run trains,
+    `start` to `total` (none left: the last step's), bytes per replica per step: counted
+    from the traced step of each distinct phase (loop: the traces training uses; with a
+    stateful compressor that includes the 4-byte finiteness flag, `check_bytes_per_step`),
+    or the compressor's analytic sizes (fit: one phase, whose step Keras traces; the loop's
+    tests show that the gradients' counted bytes equal them)."""
+    from tfpar.callbacks import WirePhase
     from tfpar.compression import accounting
 
     if asynchronous or (info.replicas == 1 and info.num_workers == 1):
         return None  # nothing is all-reduced
-    if trainer is not None:
-        return trainer.wire_bytes(train_data, step=last_step)  # after any warm-up
-    dense = accounting.fp32_bytes(model.trainable_variables)
-    sent = (sum(compression.payload_bytes(model.trainable_variables).values())
-            if compression is not None else dense)
-    return {"bytes_per_step": sent, "fp32_bytes_per_step": dense, "ratio": dense / sent}
+    if trainer is None:
+        dense = accounting.fp32_bytes(model.trainable_variables)
+        sent = (sum(compression.payload_bytes(model.trainable_variables).values())
+                if compression is not None else dense)
+        return [WirePhase(name, start, sent, dense)]
+
+    def label(phase) -> str:  # None (one phase), "warmup", ("compressed", rank or density)
+        if not isinstance(phase, tuple):
+            return name if phase is None else str(phase)
+        return f"{phase[0]}({', '.join(f'{p:.3g}' if isinstance(p, float) else str(p) for p in phase[1:])})"
+
+    # One iterator for every phase: each new iterator of the data reshuffles it (a shuffle's
+    # seed generator), so the data a run trains on must not depend on how many phases it has.
+    aggregator, iterator, counted, phases = trainer.aggregator, iter(train_data), {}, []
+    firsts = [min(start, total - 1)] + sorted(b for b in aggregator.boundaries() if start < b < total)
+    for first, phase in ((first, aggregator.phase(first)) for first in firsts):
+        if phase not in counted:  # one trace per distinct phase: the one its steps run
+            counted[phase] = trainer.wire_bytes(iterator, step=first)
+        if not phases or phases[-1].name != label(phase):
+            phases.append(WirePhase(label(phase), first, counted[phase]["bytes_per_step"],
+                                    counted[phase]["fp32_bytes_per_step"]))
+    return phases
 
 
 @dataclasses.dataclass
@@ -198,7 +217,7 @@ def _build(run: _Run) -> None:
     """Model, optimizer, compression, Trainer (loop mode) and checkpoints, restored."""
     from tfpar import recipes
     from tfpar.checkpoints import Checkpoints
-    from tfpar.compression import compress_fit
+    from tfpar.compression import Auto, compress_fit
     from tfpar.loop import Trainer
 
     config, t = run.config, run.config.train
@@ -214,6 +233,8 @@ def _build(run: _Run) -> None:
             model.optimizer.build(model.trainable_variables)  # fp16: a LossScaleOptimizer
     optimizer = model.optimizer
     if config.mode == "loop":  # onebit_adam, dgc_adam, dgc: the Trainer's optimizer applies their step
+        if isinstance(compression, Auto):  # a resumed run keeps its decision: restored before build
+            Checkpoints(run.workdir, run.info.is_chief, **compression.checkpoint_items()).restore()
         run.trainer = Trainer(model, optimizer, model.loss, run.strategy, steps_per_loop=t.steps_per_loop,
                               accumulate=t.accumulate, compression=compression, nonfinite=t.nonfinite,
                               xla=None if t.xla else False)
@@ -257,7 +278,7 @@ def _evaluate(run: _Run) -> dict:
     return evaluate(run.model, eval_strategy, data, steps, xla=run.config.train.xla)
 
 
-def _controller(run: _Run, start: int, wire: dict | None, writer):
+def _controller(run: _Run, start: int, wire: list | None, writer):
     from tfpar import preemption
     from tfpar.callbacks import ProgressLine, current_learning_rate
     from tfpar.controller import Controller
@@ -265,7 +286,7 @@ def _controller(run: _Run, start: int, wire: dict | None, writer):
     t = run.config.train
     units = t.batch_size * t.accumulate * (run.config.data.seq_len if run.corpus else 1)
     progress = ProgressLine(t.steps, units, run.unit, lambda: current_learning_rate(run.optimizer),
-                            wire, say=run.say if run.info.is_chief else None)
+                            wire=wire, say=run.say if run.info.is_chief else None)
     # ps: a dead worker is restarted while the chief goes on; no coordinated save needed
     watch = None if run.asynchronous else preemption.PreemptionWatch(run.strategy)
     return Controller(
@@ -283,7 +304,7 @@ def _summary_writer(run: _Run):
     return tf.summary.create_file_writer(directory)
 
 
-def _results(run: _Run, train_seconds: float, progress_last: dict, wire: dict | None, writer) -> dict:
+def _results(run: _Run, train_seconds: float, progress_last: dict, wire: list | None, writer) -> dict:
     """The final eval, written to TensorBoard, results.json and the output."""
     import tensorflow as tf
 
@@ -293,9 +314,11 @@ def _results(run: _Run, train_seconds: float, progress_last: dict, wire: dict | 
     results = _evaluate(run)
     results.update(step=t.steps, train_seconds=train_seconds,
                    throughput=progress_last.get(f"{unit}_per_s"), throughput_unit=f"{unit}/s")
-    if wire:
-        results.update(compression=run.config.compression, wire_bytes_per_step=wire["bytes_per_step"],
-                       compression_ratio=wire["ratio"])
+    if wire:  # over the steps this run trained (none: the last step's phase)
+        ratio = progress_last.get("run_compression_ratio", wire[-1].ratio)
+        results.update(compression=run.config.compression, compression_ratio=ratio,
+                       wire_bytes_per_step=round(wire[-1].fp32_bytes_per_step / ratio),
+                       wire_bytes_sent=progress_last.get("wire_bytes_sent", 0))
     if run.corpus:
         results["unigram_baseline"] = data_lib.unigram_entropy(run.splits.validation)
     with writer.as_default(step=t.steps):
@@ -331,7 +354,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     Example:
         >>> train_and_evaluate(runpy.run_path("configs/gpt_tiny.py")["get_config"](), "/tmp/run")
     """
-    from tfpar.callbacks import keras_fit
+    from tfpar.callbacks import keras_fit, wire_start_line
 
     run = _setup(config, workdir)
     _build(run)
@@ -341,10 +364,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
     train_data = _train_data(run, start)
     writer = _summary_writer(run)
     wire = _wire_bytes(run.info, run.model, run.compression, run.trainer, train_data, run.asynchronous,
-                       config.train.steps - 1)
+                       start, config.train.steps, config.compression)
     if wire:
-        run.say(f"wire: {wire['bytes_per_step']:,} bytes per replica per step, "
-                f"{wire['ratio']:.1f}x fewer than float32 ({config.compression})")
+        run.say(wire_start_line(wire, config.compression, config.train.steps))
     controller = _controller(run, start, wire, writer)
     started = time.perf_counter()
     if start < config.train.steps and run.trainer is not None:
