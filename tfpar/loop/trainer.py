@@ -432,6 +432,8 @@ class Trainer:
     def fit(self, dataset, steps: int, start_step: int = 0,
             callbacks: Sequence[keras.callbacks.Callback] = (), controller=None) -> dict:
         """Trains from `start_step` to `steps`; returns {"loss": mean loss of those steps}.
+        As Keras fit ends, an optimizer with `use_ema` then puts its moving averages in the
+        model (`finalize_variable_values`).
 
         Args:
           dataset: a distributed dataset (parameter_server: from `per_worker_dataset`).
@@ -466,6 +468,8 @@ class Trainer:
         callback_list.on_epoch_begin(0)
         self._run_chunks(iter(dataset), sizes, on_chunk, settle)
         callback_list.on_epoch_end(0, logs)
+        if sizes:  # as Keras fit ends: with use_ema the model takes the moving averages
+            self.optimizer.finalize_variable_values(self.model.trainable_variables)
         callback_list.on_train_end(logs)
         return logs
 
