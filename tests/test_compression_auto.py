@@ -10,6 +10,7 @@ from test_compression import mirrored, mlp, mlp_data
 from tfpar import compression as C
 from tfpar.checkpoints import Checkpoints
 from tfpar.compression import auto as auto_lib
+from tfpar.compression import auto_probes as probes
 from tfpar.compression import replica_state
 from tfpar.loop import Trainer
 
@@ -67,7 +68,7 @@ def test_every_replica_builds_replica_0s_decision(monkeypatch):
     """Replicas that measured differently still build one candidate: replica 0's, which the
     others receive through one all-reduce of a few floats."""
     strategy = mirrored(2)
-    agreed = auto_lib._from_replica_0(strategy, lambda replica: [replica + 1.0, 10.0 * (replica + 1)])
+    agreed = probes.from_replica_0(strategy, lambda replica: [replica + 1.0, 10.0 * (replica + 1)])
     assert agreed == [1.0, 10.0]
     with strategy.scope():
         model = mlp()
@@ -157,9 +158,9 @@ def test_build_makes_only_the_chosen_state_and_reduces_a_bounded_number_of_bytes
     assert isinstance(auto.chosen, C.DGCAdam) and created
     assert 0 < handed[None][0] <= 4 * (M + M // 16) + 64 and handed[None][1] <= 4 * M, handed
     assert handed[10.0][0] <= 64, handed  # given seconds: only the two agreements
-    sampled, rows, scale = auto_lib.proxy_plan([(8192, 8192)] * 96, tokens=4096)
-    assert sum(n * m for n, m in sampled) <= auto_lib.PROXY_WEIGHTS
-    assert 6 * rows * sum(n * m for n, m in sampled) <= auto_lib.PROXY_FLOPS
+    sampled, rows, scale = probes.proxy_plan([(8192, 8192)] * 96, tokens=4096)
+    assert sum(n * m for n, m in sampled) <= probes.PROXY_WEIGHTS
+    assert 6 * rows * sum(n * m for n, m in sampled) <= probes.PROXY_FLOPS
     assert scale * rows * sum(n * m for n, m in sampled) == pytest.approx(4096 * 96 * 8192 ** 2)
 
 
