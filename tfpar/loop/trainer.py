@@ -32,53 +32,14 @@ from tfpar import evaluation
 from tfpar.compression import accounting
 from tfpar.compression.compressed_aggregator import Compression
 from tfpar.compression.compressors import Compressor
-from tfpar.errors import TfparError
 from tfpar.loop import parameter_server
-from tfpar.loop.aggregation import AllReduce, GradientAggregator, NoReduce
+from tfpar.loop.aggregation import GradientAggregator
+from tfpar.loop.forward_backward import ForwardBackward
 from tfpar.loop.nonfinite import POLICIES as NONFINITE_POLICIES
-from tfpar.loop.nonfinite import NonFiniteGuard, SkippedStepState
-from tfpar.placement import tpu_cores
-from tfpar.placement.plan import PlacementError, is_multi_worker_mirrored
+from tfpar.loop.nonfinite import NonFiniteGuard
+from tfpar.loop.options import (TrainerError, aggregator_for, check_placement, skipped_step_state,  # noqa: F401
+                                unpack)
 from tfpar.strategy import keras_fixes, optimizer_update, private_api
-
-
-class TrainerError(TfparError, ValueError):
-    """A Trainer option that cannot work with this model, optimizer or strategy."""
-
-
-def _unpack(batch):
-    if isinstance(batch, (tuple, list)):
-        if len(batch) == 3:
-            return batch
-        if len(batch) == 2:
-            return batch[0], batch[1], None
-    raise TrainerError("Batches must be (x, y) or (x, y, sample_weight).")
-
-
-def _aggregator_for(strategy, aggregator: GradientAggregator | None,
-                    compression: Compressor | Compression | None) -> GradientAggregator:
-    """The aggregator the options ask for (compression is shorthand for one)."""
-    if compression is not None:
-        if aggregator is not None:
-            raise TrainerError("Give aggregator or compression, not both.")
-        aggregator = compression if isinstance(compression, Compression) else Compression(compression)
-    if parameter_server.is_parameter_server(strategy):
-        if aggregator is not None:
-            raise TrainerError(
-                "Under parameter_server each worker applies its own gradients on the "
-                "parameter servers; there is no all-reduce to replace, so an aggregator "
-                "(or gradient compression) does not apply. Use multi_worker_mirrored.")
-        return NoReduce()
-    return aggregator or AllReduce()
-
-
-def _skipped_step_state(state, skips: bool, nonfinite: str) -> SkippedStepState | None:
-    """With a stateful aggregator every replica agrees whether all gradients are finite: a
-    compressed sum can be finite with NaN left in one replica's state. Under skip (or fp16)
-    the state is also put back; under stop only the step is named (the run ends there)."""
-    if not state or (nonfinite == "ignore" and not skips):
-        return None
-    return SkippedStepState(state if skips else ())
 
 
 def _scaled(gradient, factor):
@@ -151,12 +112,12 @@ class Trainer:
         if loss_scaled:  # fp16: the loss scale skips by itself
             nonfinite = "ignore"
         keras_fixes.apply_and_report()  # accumulation and EMA under mirrored need fix 4
-        self.aggregator = _aggregator_for(self.strategy, aggregator, compression)
+        self.aggregator = aggregator_for(self.strategy, aggregator, compression)
         self.aggregator.check_optimizer(optimizer)
         is_async = parameter_server.is_parameter_server(self.strategy)
         self.placement = placement
         if placement is not None:  # before a coordinator starts: refused early
-            self._check_placement(placement)
+            check_placement(model, self.strategy, placement)
         self._async = parameter_server.AsyncSteps(self.strategy) if is_async else None
         self.xla = (True if xla is None else bool(xla)) and placement is None
         self.sum_sparse_rows = sum_sparse_rows
@@ -172,12 +133,11 @@ class Trainer:
                 synchronization=tf.VariableSynchronization.ON_READ,
                 aggregation=tf.VariableAggregation.SUM)
             self._guard = None if self._async else NonFiniteGuard(nonfinite)
-        self._skipped_step_state = _skipped_step_state(
+        self._skipped_step_state = skipped_step_state(
             () if self._async else self.aggregator.state_variables(), skips, nonfinite)
         self.step = 0  # the next optimizer step; fit sets it from start_step
-        # Exact shapes (no reduce_retracing): a static batch keeps every gradient's size
-        # static, which XLA wants and which lets the wire bytes be counted before running.
-        self._compute = tf.function(self._stateless_forward_backward, jit_compile=self.xla)
+        self._forward_backward = ForwardBackward(model, loss, self.strategy, accumulate, placement, self.xla)
+        self._compute = self._forward_backward.compiled  # the pure, compiled pass
         self._train_loop = tf.function(self._train_loop_fn, reduce_retracing=True)
         # The coordinator binds only tensor arguments: its function has no phase argument.
         self._scheduled_loop = tf.function(lambda iterator, steps: self._train_loop_fn(iterator, steps))
@@ -187,98 +147,18 @@ class Trainer:
         """Steps whose update nonfinite='skip' left out."""
         return self._guard.skipped_steps if self._guard is not None else 0
 
-    def _check_placement(self, placement) -> None:
-        replicas = placement.plan.replicas
-        if self.model.non_trainable_variables:
-            raise TrainerError("Layer placement needs a model without non-trainable state "
-                               "(e.g. no BatchNormalization).")
-        if all(tpu_cores.is_logical(d) for d in placement.plan.devices):
-            if not isinstance(self.strategy, tf.distribute.TPUStrategy):
-                raise TrainerError("A plan on TPU cores (placement.tpu_cores.logical) trains under "
-                                   "placement.tpu_cores.tpu_strategy(...), a TPUStrategy.")
-            return  # every replica runs the same plan on its own cores
-        if parameter_server.is_parameter_server(self.strategy):
-            raise TrainerError("Layer placement does not run under parameter_server; use a plan "
-                               "(or a hybrid plan.replicate(...)) under its own plan.strategy, or "
-                               "one pipeline per worker under multi_worker_mirrored.")
-        if is_multi_worker_mirrored(self.strategy):  # hybrid across machines
-            try:
-                placement.plan.check_multi_worker(self.strategy)
-            except PlacementError as error:
-                raise TrainerError(str(error)) from None
-            return
-        if replicas != self.strategy.num_replicas_in_sync or (
-                replicas > 1 and self.strategy is not placement.plan.strategy):
-            raise TrainerError(
-                f"This placement has {replicas} pipeline replica(s) but the strategy has "
-                f"{self.strategy.num_replicas_in_sync}: build and train a hybrid plan under its "
-                "own strategy (`with plan.scope() as strategy:` ... Trainer(strategy=strategy)), "
-                "a single pipeline under the default strategy, or one pipeline per worker under "
-                "multi_worker_mirrored (`with plan.scope(strategy):`).")
-
     # -- one replica ------------------------------------------------------------------
-
-    def _loss_values(self, y, y_pred, w) -> tf.Tensor:
-        """This (micro-)batch's per-target losses, weighted, in float32."""
-        values = self.loss.call(y, y_pred)
-        if w is not None:
-            values = values * tf.cast(tf.reshape(w, tf.shape(values)), values.dtype)
-        return tf.cast(values, tf.float32)
-
-    def _global_denominator(self, local_count) -> tf.Tensor:
-        """Loss terms in the global batch of one step (Keras averages over all of them)."""
-        return tf.cast(local_count * self.strategy.num_replicas_in_sync * self.accumulate, tf.float32)
 
     def _loss_scale(self) -> tf.Tensor:
         """fp16: the dynamic loss scale (1.0 otherwise)."""
         scale = getattr(self.optimizer, "dynamic_scale", None)
         return tf.constant(1.0) if scale is None else tf.cast(scale.value, tf.float32)
 
-    def _replica_loss(self, y_pred, y, w, regularization):
-        values = self._loss_values(y, y_pred, w)
-        loss = tf.reduce_sum(values) / self._global_denominator(tf.size(values))
-        if regularization:
-            loss += tf.add_n([tf.cast(l, tf.float32) for l in regularization]) / (
-                self.strategy.num_replicas_in_sync * self.accumulate)
-        return loss
-
-    def _stateless_forward_backward(self, trainable, non_trainable, loss_scale, x, y, w):
-        """Pure: variable values in, (loss, gradients, new non-trainable values) out."""
-        with tf.GradientTape() as tape:
-            tape.watch(trainable)
-            y_pred, non_trainable, regularization = self.model.stateless_call(
-                trainable, non_trainable, x, training=True, return_losses=True)
-            loss = self._replica_loss(y_pred, y, w, regularization)
-            scaled = loss * loss_scale  # fp16: times the dynamic loss scale
-        return loss, tape.gradient(scaled, trainable), non_trainable
-
-    def _pipeline_forward_backward(self, x, y, w):
-        """Layer placement: the pipeline runs each stage group on its device."""
-        count, scale = self._global_denominator(tf.size(y)), self._loss_scale()
-
-        def share(y_part, logits, w_part):
-            return tf.reduce_sum(self._loss_values(y_part, logits, w_part)) / count * scale
-
-        loss, grads = self.placement.forward_backward(x, y, w, share)
-        return loss / scale, grads
-
-    def _forward_backward(self, x, y, w):
-        """Replica context: reads this replica's variable values, runs the compiled compute."""
-        if self.placement is not None:
-            return self._pipeline_forward_backward(x, y, w)
-        loss, grads, non_trainable = self._compute(
-            [tf.convert_to_tensor(v.value) for v in self.model.trainable_variables],
-            [tf.convert_to_tensor(v.value) for v in self.model.non_trainable_variables],
-            self._loss_scale(), x, y, w)
-        for variable, value in zip(self.model.non_trainable_variables, non_trainable):
-            variable.assign(value)
-        return loss, grads
-
     def _replica_step(self, batches: Sequence, index=0):
         variables = self.model.trainable_variables
         total, summed = None, None
         for batch in batches:
-            loss, grads = self._forward_backward(*_unpack(batch))
+            loss, grads = self._forward_backward(*unpack(batch), self._loss_scale())
             total = loss if total is None else total + loss
             if self.accumulate > 1:  # sparse (embedding) gradients are summed densely
                 grads = [tf.convert_to_tensor(g) for g in grads]

@@ -1,0 +1,92 @@
+"""The Trainer's options, resolved and checked before anything is built.
+
+Example:
+    >>> aggregator = aggregator_for(strategy, aggregator=None, compression=TopK(0.01))
+    >>> check_placement(model, strategy, placement)       # raises TrainerError, by name
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tfpar.compression.compressed_aggregator import Compression
+from tfpar.compression.compressors import Compressor
+from tfpar.errors import TfparError
+from tfpar.loop import parameter_server
+from tfpar.loop.aggregation import AllReduce, GradientAggregator, NoReduce
+from tfpar.loop.nonfinite import SkippedStepState
+from tfpar.placement import tpu_cores
+from tfpar.placement.plan import PlacementError, is_multi_worker_mirrored
+
+
+class TrainerError(TfparError, ValueError):
+    """A Trainer option that cannot work with this model, optimizer or strategy."""
+
+
+def unpack(batch):
+    if isinstance(batch, (tuple, list)):
+        if len(batch) == 3:
+            return batch
+        if len(batch) == 2:
+            return batch[0], batch[1], None
+    raise TrainerError("Batches must be (x, y) or (x, y, sample_weight).")
+
+
+def aggregator_for(strategy, aggregator: GradientAggregator | None,
+                    compression: Compressor | Compression | None) -> GradientAggregator:
+    """The aggregator the options ask for (compression is shorthand for one)."""
+    if compression is not None:
+        if aggregator is not None:
+            raise TrainerError("Give aggregator or compression, not both.")
+        aggregator = compression if isinstance(compression, Compression) else Compression(compression)
+    if parameter_server.is_parameter_server(strategy):
+        if aggregator is not None:
+            raise TrainerError(
+                "Under parameter_server each worker applies its own gradients on the "
+                "parameter servers; there is no all-reduce to replace, so an aggregator "
+                "(or gradient compression) does not apply. Use multi_worker_mirrored.")
+        return NoReduce()
+    return aggregator or AllReduce()
+
+
+def skipped_step_state(state, skips: bool, nonfinite: str) -> SkippedStepState | None:
+    """With a stateful aggregator every replica agrees whether all gradients are finite: a
+    compressed sum can be finite with NaN left in one replica's state. Under skip (or fp16)
+    the state is also put back; under stop only the step is named (the run ends there)."""
+    if not state or (nonfinite == "ignore" and not skips):
+        return None
+    return SkippedStepState(state if skips else ())
+
+
+
+def check_placement(model, strategy, placement) -> None:
+    """Refuses, by name and before a coordinator starts, a placement this model or strategy
+    cannot train: non-trainable state, a TPU plan outside TPUStrategy, parameter_server, a
+    replica count that differs from the strategy's."""
+    replicas = placement.plan.replicas
+    if model.non_trainable_variables:
+        raise TrainerError("Layer placement needs a model without non-trainable state "
+                           "(e.g. no BatchNormalization).")
+    if all(tpu_cores.is_logical(d) for d in placement.plan.devices):
+        if not isinstance(strategy, tf.distribute.TPUStrategy):
+            raise TrainerError("A plan on TPU cores (placement.tpu_cores.logical) trains under "
+                               "placement.tpu_cores.tpu_strategy(...), a TPUStrategy.")
+        return  # every replica runs the same plan on its own cores
+    if parameter_server.is_parameter_server(strategy):
+        raise TrainerError("Layer placement does not run under parameter_server; use a plan "
+                           "(or a hybrid plan.replicate(...)) under its own plan.strategy, or "
+                           "one pipeline per worker under multi_worker_mirrored.")
+    if is_multi_worker_mirrored(strategy):  # hybrid across machines
+        try:
+            placement.plan.check_multi_worker(strategy)
+        except PlacementError as error:
+            raise TrainerError(str(error)) from None
+        return
+    if replicas != strategy.num_replicas_in_sync or (
+            replicas > 1 and strategy is not placement.plan.strategy):
+        raise TrainerError(
+            f"This placement has {replicas} pipeline replica(s) but the strategy has "
+            f"{strategy.num_replicas_in_sync}: build and train a hybrid plan under its "
+            "own strategy (`with plan.scope() as strategy:` ... Trainer(strategy=strategy)), "
+            "a single pipeline under the default strategy, or one pipeline per worker under "
+            "multi_worker_mirrored (`with plan.scope(strategy):`).")
