@@ -24,13 +24,16 @@ setup(
     extras_require={
         # pytest < 9.2: pytest-xdist 3.8's --dist loadgroup renames item._nodeid, which pytest
         # 9.2 no longer reads, so xdist_group marks were ignored (the convergence runs twice)
-        "test": ["pytest>=7,<9.2", "pytest-timeout", "pytest-xdist", "nbclient", "nbformat", "ipykernel"],  # notebooks run in the tests
+        "test": ["pytest>=7,<9.2", "pytest-timeout", "pytest-xdist", "nbclient", "nbformat", "ipykernel", "allpairspy>=2.5"],  # notebooks run in the tests; allpairspy: test_matrix's cases
         # TPU VMs (Colab, Kaggle, Cloud TPU): TensorFlow's TPU build is its own distribution,
-        # 2.20 the newest. `tensorflow` is pinned to the same version so the requirement above
-        # does not pull 2.21 beside it; install tensorflow-tpu last (docs/tpu.md) so its files
-        # win. google-api-python-client + oauth2client: what TPUClusterResolver(tpu=NAME)
-        # needs to resolve a named TPU / pod slice (cloud-tpu-client 0.10 would pin
-        # google-api-python-client==1.8.0 from 2020).
+        # 2.20 the newest. tfpar is not on PyPI: from the clone, `pip install -e ".[tpu]" -f
+        # https://storage.googleapis.com/libtpu-tf-releases/index.html` (Colab's -f: Google's
+        # libtpu builds for TensorFlow; an extra cannot carry it, and libtpu is left to
+        # tensorflow-tpu's own `libtpu~=0.0.14`, unverified on a TPU). `tensorflow` is pinned
+        # to the same version so the requirement above does not pull 2.21 beside it; install
+        # tensorflow-tpu last (docs/tpu.md) so its files win. google-api-python-client +
+        # oauth2client: what TPUClusterResolver(tpu=NAME) needs to resolve a named TPU / pod
+        # slice (cloud-tpu-client 0.10 would pin google-api-python-client==1.8.0 from 2020).
         "tpu": [
             'tensorflow==2.20.*; sys_platform == "linux"',
             'tensorflow-tpu==2.20.*; sys_platform == "linux"',

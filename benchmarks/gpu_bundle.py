@@ -1,11 +1,13 @@
 """Packs TensorFlow for a GPU machine that has no TensorFlow and takes 64 MiB per call.
 
-    python benchmarks/gpu_bundle.py --out=/tmp/gpu      # /tmp/gpu/parts/part00 ... part10
+    python benchmarks/gpu_bundle.py --out=/tmp/gpu      # /tmp/gpu/parts/part00 ...; prints the plan
+    python benchmarks/gpu_bundle.py --plan-only --bundle-mb=615   # the plan alone, nothing built
 
-The `device` machines of this workplace (one H200, Python 3.12, CUDA 13 libraries, no
-TensorFlow, no network) take the working tree plus at most 64 MiB per call. TensorFlow
-2.21's wheel alone is 573 MB, and it needs CUDA 12 libraries (cuBLAS 12 is 581 MB more).
-This script builds what one H200 run needs, as about 615 MB of zstd in 54 MiB parts:
+The `device` machines of this workplace (one H200 or H100, Python 3.12, CUDA 13 libraries, no
+TensorFlow, no network) take the working tree plus the carried files, 64 MiB in all, per
+call. TensorFlow 2.21's wheel alone is 573 MB, and it needs CUDA 12 libraries (cuBLAS 12 is
+581 MB more). This script builds what one run needs, as about 615 MB of zstd (level 12)
+split in parts that fit a call beside the working tree:
 
 - TensorFlow 2.21 (cp312) and its pure-Python needs, as pip would unpack them; the C++
   headers and the unused StableHLO extension left out;
@@ -18,11 +20,24 @@ This script builds what one H200 run needs, as about 615 MB of zstd in 54 MiB pa
   missing, but a transformer's step never calls them (an FFT or a linear solve would fail);
 - ptxas and libdevice for XLA; a zstd binary for the far side.
 
-On the device machine (what the first H200 run, 2026-12-04, did; docs/matrix.md):
-    (11 calls, one part each, carry [".gpu"]): cp .gpu/* /tmp/acc/
-    cat /tmp/acc/part* | LD_LIBRARY_PATH=/tmp/acc /tmp/acc/zstd -d --long=27 | tar -x -C /tmp/site
-    SITE=/tmp/site bash benchmarks/gpu_check.sh
-Each upload call took about 5 s of device time, the unpacking about 10 s.
+What a call needs: every part of benchmarks/gpu_check.sh, its default call included, imports
+TensorFlow and runs cuBLAS, so it needs the whole bundle; nothing of it can be left out for
+a smaller first call. The number of uploads is the bundle over the part size, and the part
+size is what the working tree leaves of a call's 64 MiB: `--part-mib` defaults to
+64 - (tracked and untracked-not-ignored files, as `git ls-files` lists them) - 2 MiB. The
+first H200 run (2026-12-04) took 11 parts of 54 MiB beside an 8 MiB tree; with the tree at
+17 MiB (2026-12) parts are 44 MiB and the same bundle needs 14. `--level=19` makes it about
+10% smaller (measured here on 200 MB of the zeroed TensorFlow libraries: 33.5 MB against
+37.0 MB at level 12), one or two parts fewer, for 12 times the compression time (183 s
+against 15 s for those 200 MB on 2 shared cores). The last upload call unpacks and runs the
+default check too, so the uploads add no call of their own:
+
+    (calls 1 .. N-1, carry [".gpu"]): mkdir -p /tmp/acc && cp .gpu/* /tmp/acc/
+    (call N, carry [".gpu"]): cp .gpu/* /tmp/acc/ && cat /tmp/acc/part* | LD_LIBRARY_PATH=/tmp/acc \
+        /tmp/acc/zstd -d --long=27 | tar -x -C /tmp/site && SITE=/tmp/site OUT=$OUT bash benchmarks/gpu_check.sh
+
+with .gpu holding one part each time (and the zstd binary and its libraries in the first).
+The first run's upload calls took about 5 s of device time each, the unpacking about 10 s.
 """
 
 from __future__ import annotations
@@ -99,7 +114,8 @@ def extract(wheel: str, member: str, to: str) -> None:
         shutil.copyfileobj(src, dst)
 
 
-def build(out: str, part_mib: int = 54) -> None:
+def build(out: str, part_mib: int, level: int = 12) -> str:
+    """Downloads, trims, packs and splits; returns the bundle's path."""
     wheels, site = os.path.join(out, "wheels"), os.path.join(out, "site")
     shutil.rmtree(site, ignore_errors=True)
     download(WHEELS + CUDA_WHEELS, wheels)
@@ -135,7 +151,7 @@ def build(out: str, part_mib: int = 54) -> None:
               f"{(sum(found.values()) - kept) / 1e6:.0f} MB of other architectures")
     bundle, parts = os.path.join(out, "bundle.tar.zst"), os.path.join(out, "parts")
     subprocess.check_call(["bash", "-o", "pipefail", "-c",
-                           f"tar -C '{site}' -cf - . | zstd -T2 -12 --long=27 -q -f -o '{bundle}'"])
+                           f"tar -C '{site}' -cf - . | zstd -T2 -{level} --long=27 -q -f -o '{bundle}'"])
     shutil.rmtree(parts, ignore_errors=True)
     os.makedirs(parts)
     subprocess.check_call(["split", "-b", f"{part_mib}M", "-d", "-a", "2", bundle, os.path.join(parts, "part")])
@@ -147,14 +163,56 @@ def build(out: str, part_mib: int = 54) -> None:
             shutil.copy(library, parts)
     count = sum(name.startswith("part") for name in os.listdir(parts))
     print(f"{bundle}: {os.path.getsize(bundle) / 1e6:.0f} MB in {count} parts under {parts}")
+    return bundle
+
+
+CALL_MIB = 64  # what one device call carries: the working tree and the carried parts
+MARGIN_MIB = 2
+
+
+def tree_mib(repo: str = ".") -> float:
+    """MiB of the working tree a device call sends: tracked and untracked-not-ignored files."""
+    listed = subprocess.check_output(["git", "-C", repo, "ls-files", "-z", "--cached", "--others",
+                                      "--exclude-standard"])
+    paths = (os.path.join(repo, p) for p in listed.decode().split("\0") if p)
+    return sum(os.path.getsize(p) for p in paths if os.path.isfile(p)) / 2**20
+
+
+def part_mib_for(tree: float) -> int:
+    """The largest part that travels beside a working tree of `tree` MiB.
+
+    Example:
+        >>> part_mib_for(17.4)
+        44
+    """
+    return int(CALL_MIB - tree - MARGIN_MIB)
+
+
+def upload_plan(bundle_mb: float, part_mib: int, tree: float) -> str:
+    """How many upload calls a bundle of `bundle_mb` MB takes, in words."""
+    parts = -(-int(bundle_mb * 1e6) // (part_mib * 2**20))
+    return (f"{bundle_mb:.0f} MB in {parts} parts of {part_mib} MiB: {parts} upload calls beside the "
+            f"{tree:.1f} MiB working tree (the last one also unpacks and runs gpu_check.sh's "
+            "default call); every part of the check needs the whole bundle")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="/tmp/gpu")
-    parser.add_argument("--part-mib", type=int, default=54, help="the tree itself travels too (~8 MiB)")
+    parser.add_argument("--part-mib", type=int, default=0,
+                        help="part size; 0: what the working tree leaves of a call's 64 MiB")
+    parser.add_argument("--level", type=int, default=12, help="zstd level (19: ~10%% smaller, 12x slower)")
+    parser.add_argument("--plan-only", action="store_true", help="print the upload plan, build nothing")
+    parser.add_argument("--bundle-mb", type=float, default=615.0,
+                        help="--plan-only: the bundle's size (the first run's: 615 MB)")
     args = parser.parse_args()
-    build(args.out, args.part_mib)
+    tree = tree_mib(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    part_mib = args.part_mib or part_mib_for(tree)
+    if args.plan_only:
+        print(upload_plan(args.bundle_mb, part_mib, tree))
+        return
+    bundle = build(args.out, part_mib, args.level)
+    print(upload_plan(os.path.getsize(bundle) / 1e6, part_mib, tree))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,11 @@ variance, sparsity ramp): `--skip` steps and one untimed call of `--steps` steps
 onebit_adam and the PowerSGD rank schedule), then the median of `--rounds` timings of `--steps` steps. dgc and onebit_adam
 bring their own optimizers (momentum SGD; Adam's moments kept in the compressor), so
 their difference to `none` (AdamW) is not the compressor's cost alone. Speed lives here, never in tests.
+
+`--budget-s`: seconds from the start of the process after which no configuration starts
+that could not finish (judged by the longest one so far); those rows say "skipped". The
+JSON is written after every row, so a run cut short keeps what it measured
+(benchmarks/gpu_check.sh gives this table its share of a lent machine's call this way).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import statistics
 import sys
 import time
 
+PROCESS_START = time.monotonic()  # --budget-s counts TensorFlow's import too
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -84,6 +90,16 @@ def time_config(name: str, strategy, config, splits, args) -> dict:
             "first_call_s": first_s, "loss": float(loss)}
 
 
+def timed_row(name: str, strategy, config, splits, args) -> tuple[dict, float]:
+    """One configuration's row (or its error: the rest still run) and the seconds it took."""
+    started = time.monotonic()
+    try:
+        row = time_config(name, strategy, config, splits, args)
+    except Exception as e:  # pylint: disable=broad-except
+        row = {"error": f"{type(e).__name__}: {e}"[:500]}
+    return row, time.monotonic() - started
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench_out")
@@ -93,6 +109,9 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=130, help="steps before timing (warm-up phases)")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--budget-s", type=float, default=0,
+                        help="start no configuration after this many seconds of the process that "
+                             "would not finish in them (0: no limit)")
     args = parser.parse_args()
     replicas = [int(r) for r in args.replicas.split(",")]
     if max(replicas) > LOGICAL or min(replicas) < 1 or args.rounds < 1 or args.steps < 1:
@@ -109,18 +128,21 @@ def main() -> None:
     result = {"device": gpus[0].name if gpus else "CPU", "devices": DEVICES,
                         "tensorflow": tf.__version__, "model": args.model,
                         "replica_batch": config.train.batch_size, "seq_len": config.data.seq_len,
-                        "skip": args.skip, "steps": args.steps, "rounds": args.rounds, "rows": rows}
+                        "skip": args.skip, "steps": args.steps, "rounds": args.rounds,
+                        "budget_s": args.budget_s, "rows": rows}
     if gpus:
         details = tf.config.experimental.get_device_details(gpus[0])
         result["gpu"] = details
+    longest = 0.0  # seconds of the longest configuration so far: what the next may take
     for count in replicas:
         strategy, all_reduce = strategy_for(count)
         base = None
         for name in args.configs.split(","):
-            try:
-                row = time_config(name, strategy, config, splits, args)
-            except Exception as e:  # one configuration's failure is reported, the rest still run
-                row = {"error": f"{type(e).__name__}: {e}"[:500]}
+            if args.budget_s and time.monotonic() - PROCESS_START + longest > args.budget_s:
+                row = {"skipped": f"--budget-s {args.budget_s:g}: would not finish in time"}
+            else:
+                row, seconds = timed_row(name, strategy, config, splits, args)
+                longest = max(longest, seconds)
             row.update(config=name, replicas=count, all_reduce=all_reduce)
             if name == "none" and "ms_per_step" in row:
                 base = row["ms_per_step"]

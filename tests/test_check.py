@@ -82,3 +82,48 @@ def test_an_unreachable_peer_is_not_ready():
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["verdict"].startswith("NOT READY") and "worker[1]" in report["verdict"]
+
+
+def test_a_keras_backend_other_than_tensorflow_is_not_ready_by_name():
+    result = run_python(["-m", "tfpar.check", "--json", "--small"], timeout=120, KERAS_BACKEND="jax")
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["verdict"].startswith("NOT READY") and "set to 'jax' (KERAS_BACKEND=jax)" in report["verdict"]
+    assert report["versions"]["keras"]  # read from its metadata: importing it would fail
+
+
+def test_versions_name_the_tpu_build_and_libtpu(monkeypatch):
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    fake = {"tensorflow-tpu": "2.20.0", "libtpu-nightly": "0.1.dev20240101"}
+
+    def version(name):
+        if name in fake:
+            return fake[name]
+        if name == "libtpu":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    found = check.versions()
+    assert (found["tensorflow_tpu"], found["libtpu"]) == ("2.20.0", "libtpu-nightly 0.1.dev20240101")
+    report = {"versions": found, "problems": [], "warnings": [], "cluster": None,
+              "strategy": {"name": "tpu", "why": "TPU VM", "replicas": 1}}
+    assert "(tensorflow-tpu 2.20.0, libtpu-nightly 0.1.dev20240101)" in check.render(report).splitlines()[0]
+
+
+def test_the_matmul_rows_time_ten_products_and_say_what_math_they_measure(monkeypatch):
+    import tensorflow as tf
+
+    rows = check.matmul_throughput(["/cpu:0"], 64, 10)
+    assert [(r["math"], r["n"], r["iterations"]) for r in rows] == [("float32", 64, 10), ("bfloat16", 64, 10)]
+    assert check.Options().matmul_iterations >= 10
+    monkeypatch.setattr(check, "_tf32_applies", lambda: True)  # a GPU of compute capability >= 8.0
+    maths = [(dtype.name, math, tf32) for dtype, math, tf32 in check._matmul_rows("/device:GPU:0")]  # pylint: disable=protected-access
+    assert maths == [("float32", "float32 (TF32 math: TensorFlow's default on this GPU)", None),
+                     ("float32", "float32 (TF32 off for this row)", False), ("bfloat16", "bfloat16", None)]
+    before = tf.config.experimental.tensor_float_32_execution_enabled()
+    with check._tf32(not before):  # pylint: disable=protected-access
+        assert tf.config.experimental.tensor_float_32_execution_enabled() is (not before)
+    assert tf.config.experimental.tensor_float_32_execution_enabled() is before

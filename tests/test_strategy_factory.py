@@ -148,3 +148,39 @@ def test_auto_decides_from_what_is_there(monkeypatch, environ, expected):
     monkeypatch.setattr(tpu_lib.glob, "glob", lambda pattern: [])
     kind, _, reason = factory._decide(None, None)  # pylint: disable=protected-access
     assert kind == expected and reason
+
+
+# -- the Keras backend ---------------------------------------------------------------------
+
+def test_keras_backend_jax_gets_tfpars_message_not_no_module_named_jax():
+    """KERAS_BACKEND=jax (set on some TPU images), jax not installed: `import keras` itself
+    fails ("No module named 'jax'"), so the check runs before anything imports Keras."""
+    from procs import run_python
+
+    done = run_python(["-c", "import tfpar; tfpar.create_strategy('auto')"], timeout=120,
+                      KERAS_BACKEND="jax")
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("tfpar.errors.KerasBackendError: ") and "'jax' (KERAS_BACKEND=jax)" in last
+    assert "unset KERAS_BACKEND or set it to tensorflow" in last and "jax is not installed" in last
+    assert "ModuleNotFoundError" not in done.stderr
+
+
+def test_a_keras_json_naming_another_backend_is_refused_with_its_path(tmp_path):
+    (tmp_path / "keras.json").write_text(json.dumps({"backend": "torch", "floatx": "float32"}))
+    environ = {"KERAS_HOME": str(tmp_path)}
+    assert factory.keras_backend(environ, modules={}) == (
+        "torch", f'"backend": "torch" in {tmp_path / "keras.json"}')
+    with pytest.raises(factory.KerasBackendError, match=r'set "backend": "tensorflow" in .*keras\.json'):
+        factory.check_keras_backend(environ, modules={})
+    assert factory.keras_backend({**environ, "KERAS_BACKEND": "tensorflow"}, modules={})[0] == "tensorflow"
+    assert factory.keras_backend({}, modules={})[0] in ("tensorflow", "jax", "torch", "numpy")
+
+
+def test_keras_imported_with_another_backend_is_refused_by_name(monkeypatch):
+    import keras
+
+    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    with pytest.raises(factory.KerasBackendError, match="set to 'jax'.*restart"):
+        tfpar.create_strategy("default")
+    assert isinstance(factory.KerasBackendError("x"), (tfpar.TfparError, ImportError))

@@ -2,6 +2,8 @@
 fallback, and data on a pod. No TPU here: TensorFlow's resolver is replaced at the one
 seam tfpar owns (`tpu._initialize`)."""
 
+import os
+
 import pytest
 
 import tfpar
@@ -111,7 +113,22 @@ def test_every_failure_is_listed(monkeypatch, tmp_path):
     message = str(info.value)
     assert "(tpu='pod') because TPU_NAME is set" in message and "Could not reach pod" in message
     assert "(tpu='local') because this is a TPU VM (1 TPU chip(s)" in message
-    assert "more detail" not in message and 'tfpar[tpu]' in message
+    assert "more detail" not in message and tpu_lib.INSTALL_TPU in message
+
+
+def test_every_printed_install_command_installs_from_the_clone():
+    """tfpar is not on PyPI: `pip install "tfpar[tpu]"` fails ("No matching distribution")."""
+    import re
+
+    from procs import REPO
+
+    places = [REPO / "README.md", REPO / "docs" / "tpu.md", REPO / "docs" / "troubleshooting.md",
+              *(REPO / "tfpar").rglob("*.py"), *(REPO / "colab").glob("*.ipynb")]
+    wrong = [f"{path.relative_to(REPO)}: {m.group(0)}" for path in places
+             for m in re.finditer(r"pip install [\\\"']*tfpar\b[^\n]{0,20}", path.read_text())]
+    assert wrong == []
+    assert tpu_lib.INSTALL_TPU == ('pip install -e ".[tpu]" -f '
+                                   "https://storage.googleapis.com/libtpu-tf-releases/index.html")
 
 
 # -- auto ------------------------------------------------------------------------------
@@ -147,21 +164,26 @@ def test_create_strategy_auto_on_this_machine_is_not_a_tpu():
 
 # -- the notebook's install cell ---------------------------------------------------------
 
-def install_cell_runs(monkeypatch, environ):
-    """Executes the TPU notebook's first code cell with pip recorded, not run."""
-    import subprocess
-
+def install_cell() -> str:
     import nbformat
     from procs import REPO
 
     book = nbformat.read(REPO / "colab" / "tpu_keras_fit.ipynb", as_version=4)
-    cell = next(c for c in book.cells if c.cell_type == "code")
+    return next(c for c in book.cells if c.cell_type == "code").source
+
+
+def install_cell_runs(monkeypatch, environ):
+    """Executes the TPU notebook's first code cell with pip recorded, not run."""
+    import subprocess
+
+    from procs import REPO
+
     calls = []
     monkeypatch.setattr(subprocess, "run", lambda args, check: calls.append(args[5:]))
     for var, value in environ.items():
         monkeypatch.setenv(var, value)
     monkeypatch.setenv("TFPAR_SOURCE", str(REPO))
-    exec(compile(cell.source, "install-cell", "exec"), {})  # pylint: disable=exec-used
+    exec(compile(install_cell(), "install-cell", "exec"), {})  # pylint: disable=exec-used
     return calls
 
 
@@ -174,4 +196,139 @@ def test_the_notebook_installs_the_tpu_build_on_a_tpu_vm(monkeypatch):
     from procs import REPO
 
     calls = install_cell_runs(monkeypatch, {"TPU_ACCELERATOR_TYPE": "v5litepod-1"})
-    assert calls == [[f"{REPO}[tpu]"], ["--force-reinstall", "--no-deps", "tensorflow-tpu==2.20.*"]]
+    assert calls == [["-e", f"{REPO}[tpu]", "-f", tpu_lib.LIBTPU_INDEX],
+                     ["--force-reinstall", "--no-deps", "tensorflow-tpu==2.20.*"]]
+
+
+# What the cell sees on Colab: the working directory /content holds the clone /content/tfpar,
+# a folder without __init__.py that Python imports as an empty namespace package.
+CELL_PROLOGUE = """
+import json, subprocess
+calls, run = [], subprocess.run
+subprocess.run = lambda args, check: calls.append(args[5:])
+"""
+CELL_EPILOGUE = """
+subprocess.run = run
+import importlib.util, tfpar
+found = {"calls": calls, "origin": importlib.util.find_spec("tfpar").origin,
+         "version": getattr(tfpar, "__version__", None)}
+if CHECK_API:
+    found["create_strategy"] = callable(getattr(tfpar, "create_strategy", None))
+print(json.dumps(found))
+"""
+
+
+def run_cell_in_clone_folder(tmp_path, *, site: bool, environ=None, check_api=False) -> dict:
+    """Runs the install cell in a fresh Python whose working directory holds the clone.
+
+    `site=False` (python -S): no site-packages, so neither tfpar's installed distribution
+    nor its editable finder is seen, as on a fresh runtime; pip is recorded, not run.
+    """
+    import json
+    import subprocess
+    import sys
+
+    from procs import REPO
+
+    content = tmp_path / "content"
+    content.mkdir()
+    (content / "tfpar").symlink_to(REPO, target_is_directory=True)
+    env = {k: v for k, v in os.environ.items() if k not in TPU_ENV + ("PYTHONPATH",)}
+    env.update(TFPAR_SOURCE=str(content / "tfpar"), TF_CPP_MIN_LOG_LEVEL="3", **(environ or {}))
+    code = CELL_PROLOGUE + install_cell() + CELL_EPILOGUE.replace("CHECK_API", str(check_api))
+    done = subprocess.run([sys.executable, *([] if site else ["-S"]), "-c", code], cwd=content,
+                          env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_cell_installs_tfpar_from_the_clone_when_the_folder_shadows_it(tmp_path):
+    """The old cell's `find_spec("tfpar") is None` found the clone's folder, installed nothing,
+    and the next cell failed: "module 'tfpar' has no attribute 'create_strategy'"."""
+    clone = tmp_path / "content" / "tfpar"
+    found = run_cell_in_clone_folder(tmp_path, site=False)
+    assert found["calls"] == [["-e", str(clone)]]
+    assert found["origin"] == str(clone / "tfpar" / "__init__.py") and found["version"]
+
+
+def test_the_cell_installs_the_tpu_build_editable_from_the_clone_folder(tmp_path):
+    clone = tmp_path / "content" / "tfpar"
+    found = run_cell_in_clone_folder(tmp_path, site=False, environ={"TPU_ACCELERATOR_TYPE": "v5litepod-1"})
+    assert found["calls"] == [["-e", f"{clone}[tpu]", "-f", tpu_lib.LIBTPU_INDEX],
+                              ["--force-reinstall", "--no-deps", "tensorflow-tpu==2.20.*"]]
+    assert found["origin"] == str(clone / "tfpar" / "__init__.py")
+
+
+def test_the_next_cell_finds_create_strategy_where_tfpar_is_installed_and_the_clone_shadows_it(tmp_path):
+    """tfpar installed (editable, as after a first run): the cell installs nothing, and
+    `tfpar.create_strategy` is there although the working directory holds the clone."""
+    found = run_cell_in_clone_folder(tmp_path, site=True, check_api=True)
+    assert found["calls"] == [] and found["create_strategy"] is True
+
+
+# -- XLA under TPUStrategy (a stand-in: TPUStrategy's class, one replica on the CPU) ---------
+
+def tpu_stand_in():
+    """A TPUStrategy to Keras and tfpar (isinstance, describe: kind 'tpu', 1 replica) whose
+    replica runs on the CPU as OneDeviceStrategy's does: what a 1-chip v5e-1 looks like."""
+    import tensorflow as tf
+    from tensorflow.python.distribute import distribute_lib, one_device_strategy
+
+    class OneHostExtended(one_device_strategy.OneDeviceExtended):
+        num_hosts = 1
+
+    class TPUStandIn(tf.distribute.OneDeviceStrategy, tf.distribute.TPUStrategy):
+        run = distribute_lib.Strategy.run  # not TPUStrategy's tpu_run
+
+        def __init__(self):  # pylint: disable=super-init-not-called
+            distribute_lib.Strategy.__init__(self, OneHostExtended(self, "/cpu:0"))
+
+    return TPUStandIn()
+
+
+def test_keras_keeps_an_explicit_jit_compile_under_tpu_strategy():
+    """Keras 3.15 (trainer.py `compile`) resolves only "auto", to False under any
+    strategy; an explicit True stays, so its step, strategy.run included, is jit-compiled."""
+    import keras
+
+    strategy = tpu_stand_in()
+    assert tfpar.describe(strategy).kind == "tpu" and strategy.num_replicas_in_sync == 1
+    for asked, kept in ((True, True), ("auto", False), (False, False)):
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+            model.compile("sgd", "mse", jit_compile=asked)
+        assert model.jit_compile is kept, asked
+
+
+@pytest.mark.parametrize("kind,replicas,jit,said", [
+    ("tpu", 1, False, "TPUStrategy"), ("tpu", 8, False, "TPUStrategy"),
+    ("mirrored", 2, False, "on 2 replicas"), ("multi_worker_mirrored", 4, False, "on 4 replicas"),
+    ("default", 1, True, None), ("one_device", 1, True, None),
+])
+def test_train_xla_becomes_jit_compile_false_under_tpu_and_several_replicas(kind, replicas, jit, said):
+    from tfpar.train import fit_jit_compile
+
+    got, line = fit_jit_compile(True, kind, replicas)
+    assert got is jit and (line is None if said is None else said in line and "train.xla" in line)
+    assert fit_jit_compile(False, kind, replicas) == (False, None)
+
+
+def test_the_binary_compiles_fit_without_jit_on_a_one_chip_tpu_and_says_so(tmp_path):
+    """train.xla=True (the default) reached compile(jit_compile=True) under TPUStrategy:
+    on a 1-chip TPU Keras would run its step in an XLA function on the host (keras#19448)."""
+    import runpy
+
+    from procs import REPO
+    from tfpar import data as data_lib, train
+
+    config = runpy.run_path(str(REPO / "configs" / "reverse_tiny.py"))["get_config"]()
+    config.train.steps = 2
+    assert config.train.xla and config.mode == "fit"
+    strategy, said = tpu_stand_in(), []
+    splits = data_lib.load(config.data.name, seq_len=config.data.seq_len, seed=config.seed)
+    run = train._Run(config, str(tmp_path), strategy, tfpar.describe(strategy), splits,  # pylint: disable=protected-access
+                     said.append, asynchronous=False)
+    train._build(run)  # pylint: disable=protected-access
+    assert run.model.jit_compile is False
+    assert [line for line in said if "jit_compile" in line] == [
+        train.fit_jit_compile(True, "tpu", 1)[1]]

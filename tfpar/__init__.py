@@ -15,6 +15,7 @@ import importlib
 
 from tfpar.errors import (
     ClusterConfigError,
+    KerasBackendError,
     PeerUnreachableError,
     RuntimeAlreadyStartedError,
     StrategyOptionError,
@@ -35,7 +36,7 @@ _LAZY = {
 }
 
 __all__ = [
-    "ClusterConfigError", "PeerUnreachableError", "RuntimeAlreadyStartedError",
+    "ClusterConfigError", "KerasBackendError", "PeerUnreachableError", "RuntimeAlreadyStartedError",
     "StrategyOptionError", "TPUNotFoundError", "TPUSliceError", "TfparError",
     "UnknownStrategyError", "UnsupportedStrategyError", *_LAZY,
 ]

@@ -1,11 +1,14 @@
 """tfpar-check: is this machine (or cluster) ready to train? Like nccl-tests or ds_report.
 
-Reports the versions, the devices, which strategy `auto` picks and why, the cluster and
-its pre-flight check, then measures: all-reduce latency and bus bandwidth for a few sizes
-under that strategy (nccl-tests' busbw = algbw * 2(n-1)/n), matmul throughput in float32
-and bfloat16 per device, and one training step of a small GPT in Keras fit and in tfpar's
-loop, checked equal. It ends with one verdict line; `--json` prints one JSON object (one
-line) instead. Under `tfpar-launch --workers N` every worker runs it; each prints its own.
+Reports the versions (with the TPU build and libtpu where installed), the devices, which
+strategy `auto` picks and why, the cluster and its pre-flight check, then measures:
+all-reduce latency and bus bandwidth for a few sizes under that strategy (nccl-tests'
+busbw = algbw * 2(n-1)/n), matmul throughput per device (10 timed n x n products, n = 8192
+on a GPU or TPU, 2048 on a CPU; on a GPU with TF32 float32 twice: TF32 math, TensorFlow's
+default there, and with TF32 off), and one training step of a small GPT in Keras fit and in
+tfpar's loop, checked equal. A Keras backend other than TensorFlow is NOT READY at once.
+It ends with one verdict line; `--json` prints one JSON object (one line) instead. Under
+`tfpar-launch --workers N` every worker runs it; each prints its own.
 
 Example:
     $ tfpar-check                                  # this machine, strategy 'auto'
@@ -16,7 +19,9 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import importlib.metadata
 import json
 import os
 import platform
@@ -35,18 +40,35 @@ class Options:
     virtual_devices: int | None = None
     sizes: tuple[int, ...] = SIZES
     iterations: int = 20
-    matmul: int = 2048
+    matmul: int | None = None  # n of the n x n matmul; None: 8192 on a GPU or TPU, 2048 on a CPU
+    matmul_iterations: int = 10
     connect_timeout_s: float = 60.0
 
 
 def versions() -> dict:
-    import keras
+    """Versions, Keras's read from its metadata (importing it fails on a non-TF backend).
+
+    Example:
+        >>> versions()["libtpu"]  # None without; "0.0.52", or "libtpu-nightly 0.1.dev..."
+    """
     import tensorflow as tf
 
     import tfpar
 
     return {"python": platform.python_version(), "tensorflow": tf.__version__,
-            "keras": keras.__version__, "tfpar": tfpar.__version__, "platform": platform.platform()}
+            "keras": _distribution("keras"), "tfpar": tfpar.__version__,
+            "tensorflow_tpu": _distribution("tensorflow-tpu"),
+            "libtpu": _distribution("libtpu") or _distribution("libtpu-nightly", named=True),
+            "platform": platform.platform()}
+
+
+def _distribution(name: str, named: bool = False) -> str | None:
+    """The installed version of distribution `name` ("name version" if `named`), or None."""
+    try:
+        version = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return f"{name} {version}" if named else version
 
 
 def _gpu_memory_mb(index: int) -> int | None:
@@ -145,21 +167,76 @@ def all_reduce_table(strategy, sizes: Sequence[int], iterations: int) -> list[di
     return rows
 
 
-def matmul_throughput(device_names: Sequence[str], size: int, iterations: int) -> list[dict]:
-    """TFLOP/s of an n x n matmul per device, in float32 and bfloat16."""
-    import tensorflow as tf
+def matmul_throughput(device_names: Sequence[str], size: int | None, iterations: int) -> list[dict]:
+    """TFLOP/s of an n x n matmul per device, each row labelled with the math it measures.
 
+    On a GPU where TF32 applies (compute capability 8.0 and newer, TensorFlow's default
+    on), float32 is timed twice: with TF32 math as TensorFlow runs it, and with TF32 off
+    for that row (true float32). `size` None: 8192 on a GPU or TPU, 2048 on a CPU.
+
+    Example:
+        >>> [r["math"] for r in matmul_throughput(["/cpu:0"], 128, 10)]
+        ['float32', 'bfloat16']
+    """
     rows = []
     for name in device_names:
-        for dtype in (tf.float32, tf.bfloat16):
-            with tf.device(name):
-                a = tf.random.normal([size, size], dtype=tf.float32)
-                a = tf.cast(a, dtype)
-                multiply = tf.function(lambda a=a: tf.reduce_sum(tf.matmul(a, a)[:1, :1]))
-                seconds = _timed(multiply, iterations)
-            rows.append({"device": name, "dtype": dtype.name,
-                         "tflops": 2 * size ** 3 / seconds / 1e12})
+        n = size or (2048 if "CPU" in name.upper() else 8192)
+        for dtype, math, tf32 in _matmul_rows(name):
+            row = _matmul_row(name, n, dtype, tf32, iterations)
+            rows.append({"device": name, "dtype": dtype.name, "math": math, **row})
     return rows
+
+
+def _matmul_row(device: str, n: int, dtype, tf32: bool | None, iterations: int) -> dict:
+    """One row; n halves while the device is out of memory (a 1 GiB logical GPU: n = 4096)."""
+    import tensorflow as tf
+
+    try:
+        with tf.device(device), _tf32(tf32):
+            a = tf.cast(tf.random.normal([n, n], dtype=tf.float32), dtype)
+            multiply = tf.function(lambda a=a: tf.reduce_sum(tf.matmul(a, a)[:1, :1]))
+            seconds = _timed(multiply, iterations)
+    except tf.errors.ResourceExhaustedError:
+        if n <= 1024:
+            raise
+        return _matmul_row(device, n // 2, dtype, tf32, iterations)
+    return {"n": n, "iterations": iterations, "tflops": 2 * n ** 3 / seconds / 1e12}
+
+
+def _matmul_rows(device: str) -> list[tuple[Any, str, bool | None]]:
+    """(dtype, what the row measures, TF32 for the row: None keeps TensorFlow's setting)."""
+    import tensorflow as tf
+
+    if "GPU" in device.upper() and _tf32_applies():
+        return [(tf.float32, "float32 (TF32 math: TensorFlow's default on this GPU)", None),
+                (tf.float32, "float32 (TF32 off for this row)", False),
+                (tf.bfloat16, "bfloat16", None)]
+    return [(tf.float32, "float32", None), (tf.bfloat16, "bfloat16", None)]
+
+
+def _tf32_applies() -> bool:
+    """TF32 is on and a GPU has tensor cores for it (compute capability 8.0 and newer)."""
+    import tensorflow as tf
+
+    if not tf.config.experimental.tensor_float_32_execution_enabled():
+        return False
+    details = tf.config.experimental.get_device_details
+    return any(tuple(details(gpu).get("compute_capability") or (0, 0)) >= (8, 0)
+               for gpu in tf.config.list_physical_devices("GPU"))
+
+
+@contextlib.contextmanager
+def _tf32(enabled: bool | None):
+    """TF32 on or off inside the block (None: as it is), restored after."""
+    import tensorflow as tf
+
+    before = tf.config.experimental.tensor_float_32_execution_enabled()
+    if enabled is not None:
+        tf.config.experimental.enable_tensor_float_32_execution(enabled)
+    try:
+        yield
+    finally:
+        tf.config.experimental.enable_tensor_float_32_execution(before)
 
 
 def fit_and_loop_step(strategy) -> dict:
@@ -205,6 +282,14 @@ def fit_and_loop_step(strategy) -> dict:
 def collect(options: Options) -> dict:
     """Everything tfpar-check reports, as one dict (what --json prints)."""
     report: dict[str, Any] = {"versions": versions(), "problems": [], "warnings": []}
+    from tfpar.strategy import factory
+
+    try:
+        factory.check_keras_backend()  # before anything imports Keras (KERAS_BACKEND=jax)
+    except factory.KerasBackendError as e:
+        report.update(strategy={"name": options.strategy, "why": "not created"}, cluster=None)
+        report["problems"].append(str(e))
+        return report
     kind, cluster, why = choose(options)
     report["strategy"] = {"name": kind, "why": why}
     report["cluster"] = cluster_report(cluster)
@@ -235,7 +320,8 @@ def _measure(report: dict, strategy, options: Options) -> None:
         report["warnings"].append(fixes.message())
     if "ParameterServer" not in type(strategy).__name__:
         report["all_reduce"] = all_reduce_table(strategy, options.sizes, options.iterations)
-    report["matmul"] = matmul_throughput(list(info.devices), options.matmul, 3)
+    report["matmul"] = matmul_throughput(list(info.devices), options.matmul,
+                                         options.matmul_iterations)
     step = fit_and_loop_step(strategy)
     report["fit_vs_loop"] = step
     if "equal" in step and not step["equal"]:
@@ -258,8 +344,12 @@ def verdict(report: dict) -> str:
 def render(report: dict) -> str:
     """The human-readable report."""
     v, lines = report["versions"], []
-    lines.append(f"versions   python {v['python']}  tensorflow {v['tensorflow']}  keras {v['keras']}  "
-                 f"tfpar {v['tfpar']}")
+    tpu_build = ", ".join(str(v[key]) if str(v[key]).startswith(name) else f"{name} {v[key]}"
+                          for name, key in (("tensorflow-tpu", "tensorflow_tpu"), ("libtpu", "libtpu"))
+                          if v.get(key))
+    tpu_build = f" ({tpu_build})" if tpu_build else ""
+    lines.append(f"versions   python {v['python']}  tensorflow {v['tensorflow']}{tpu_build}  "
+                 f"keras {v['keras']}  tfpar {v['tfpar']}")
     d = report.get("devices")
     if d:
         gpus = ", ".join(f"{g['name']} ({g['memory_mb'] or '?'} MiB)" for g in d["gpus"]) or "none"
@@ -285,7 +375,8 @@ def _tables(report: dict) -> list[str]:
         lines += [f"  {r['bytes']:>12} {r['time_us']:>12.1f} {r['algbw_gbs']:>13.3f} {r['busbw_gbs']:>13.3f}"
                   for r in report["all_reduce"]]
     for r in report.get("matmul", ()):
-        lines.append(f"matmul     {r['device']} {r['dtype']}: {r['tflops']:.3f} TFLOP/s")
+        lines.append(f"matmul     {r['device']} {r['math']}: {r['tflops']:.3f} TFLOP/s "
+                     f"(n = {r['n']}, {r['iterations']} iterations)")
     step = report.get("fit_vs_loop")
     if step:
         lines.append("train step " + (step["skipped"] if "skipped" in step else

@@ -44,6 +44,10 @@ class TPUSliceError(TPUNotFoundError):
     """A TPU is there, but not usable the way it was asked for (a multi-host slice)."""
 
 
+class KerasBackendError(TfparError, ImportError):
+    """Keras is set to a backend other than TensorFlow; tfpar runs on tf.distribute."""
+
+
 class UnsupportedStrategyError(TfparError, RuntimeError):
     """A feature that cannot run under the active strategy (e.g. Keras fit under PS)."""
 

@@ -213,6 +213,35 @@ def _setup(config, workdir: str) -> _Run:
     return _Run(config, workdir, strategy, info, splits, say, asynchronous)
 
 
+def fit_jit_compile(xla: bool, kind: str, replicas: int) -> tuple[bool, str | None]:
+    """What `train.xla` gives Keras fit's `jit_compile`, and the line that says so when
+    the config asked for XLA and does not get it (None otherwise).
+
+    Keras 3.15 resolves only "auto" (off under any strategy); an explicit True stays on
+    and jit-compiles Keras's whole step, `strategy.run` included. Under TPUStrategy that
+    is an XLA function on the host around the TPU program (keras#19448: NotFoundError),
+    and the TPU compiles every step with XLA anyway; with 2+ replicas tfpar's
+    steps_per_execution fix leaves that step unwrapped, which dropped a True silently.
+
+    Example:
+        >>> fit_jit_compile(True, "tpu", 1)[0], fit_jit_compile(True, "default", 1)
+        (False, (True, None))
+    """
+    if not xla:
+        return False, None
+    if kind == "tpu":
+        return False, ("tfpar: train.xla=True: Keras fit compiles without jit_compile under "
+                       "TPUStrategy: the TPU compiles every step with XLA already, and "
+                       "jit_compile=True would wrap strategy.run in an XLA function on the host "
+                       "(keras#19448).")
+    if replicas > 1:
+        return False, (f"tfpar: train.xla=True: Keras fit compiles without jit_compile on "
+                       f"{replicas} replicas (its step wraps strategy.run, which XLA does not "
+                       "compile across devices); --config.mode=loop jit-compiles each replica's "
+                       "forward + backward.")
+    return True, None
+
+
 def _build(run: _Run) -> None:
     """Model, optimizer, compression, Trainer (loop mode) and checkpoints, restored."""
     from tfpar import recipes
@@ -221,11 +250,14 @@ def _build(run: _Run) -> None:
     from tfpar.loop import Trainer
 
     config, t = run.config, run.config.train
+    jit, jit_note = fit_jit_compile(t.xla, run.info.kind, run.info.replicas)
+    if jit_note and config.mode == "fit":
+        run.say(jit_note)
     with run.strategy.scope():
         model = recipes.build_model(config, run.splits.info)
         model.compile(optimizer=recipes.build_optimizer(config.optimizer, t.steps),
                       loss=recipes.SmoothedSparseCrossentropy(config.optimizer.label_smoothing),
-                      steps_per_execution=t.steps_per_loop, jit_compile=t.xla)
+                      steps_per_execution=t.steps_per_loop, jit_compile=jit)
         compression = _compression(run, model)
         if config.mode == "fit":
             if compression is not None:  # dgc: its SGD's momentum moves in, a plain SGD applies
@@ -411,6 +443,9 @@ def main(argv) -> None:
     if not workdir:
         raise app.UsageError("--workdir is required, e.g. --workdir=/tmp/tfpar_run")
     try:
+        from tfpar.strategy.factory import check_keras_backend
+
+        check_keras_backend()  # before validate imports Keras (KERAS_BACKEND=jax: one line)
         validate(config)
         check_workdir(workdir)
         train_and_evaluate(config, workdir)

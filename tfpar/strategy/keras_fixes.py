@@ -25,7 +25,10 @@ which Keras, and what still works. The private names live in `private_api`.
    `tf.while_loop`/`tf.cond`; with several replicas the mirrored replica threads trace
    that nested function against the loop's placeholders. The fix leaves the per-step
    function unwrapped (the outer multi-step `tf.function` still compiles everything into
-   one graph; Keras turns `jit_compile` off under any strategy, so nothing else changes).
+   one graph). That wrapper also carried `jit_compile`: Keras resolves only
+   `jit_compile="auto"` (to False under any strategy), so an explicit `jit_compile=True`
+   is dropped here with 2+ replicas, silently (tfpar-train passes False there, and under
+   TPUStrategy, and says so: `tfpar.train.fit_jit_compile`).
    A Keras that renames that closure is refused at `apply()`, and at trace time if it
    slipped through, never skipped.
 

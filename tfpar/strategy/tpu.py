@@ -32,6 +32,10 @@ GOOGLE_PCI_VENDOR = "0x1ae0"
 TPU_PCI_DEVICES = {"0x0027": "v2/v3", "0x0056": "v4 lite", "0x005e": "v4", "0x0062": "v5p",
                    "0x0063": "v5e", "0x006f": "v6e"}
 TPU_VM_VARIABLES = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES")
+# tfpar is not on PyPI: the TPU extra installs from the clone. `-f` adds Google's libtpu
+# builds for TensorFlow to what pip may pick (Colab's instruction, googlecolab/colabtools#5164).
+LIBTPU_INDEX = "https://storage.googleapis.com/libtpu-tf-releases/index.html"
+INSTALL_TPU = f'pip install -e ".[tpu]" -f {LIBTPU_INDEX}'  # run in the clone; docs/tpu.md
 # Accelerator types whose number counts TensorCores (2 per chip); the others count chips.
 _TWO_CORES_PER_CHIP = ("v2", "v3", "v4", "v5p")
 
@@ -142,8 +146,8 @@ def check_local_fits(environ: Mapping[str, str] | None = None, root: str = "/",
         raise TPUSliceError(
             f"{kind} spans {hosts} hosts, but tpu='local' sees only this host's chips: each "
             "host would train its own unsynchronised copy. Pass the slice's name "
-            "(create_strategy('tpu', tpu='NAME') or set TPU_NAME; it needs "
-            "`pip install \"tfpar[tpu]\"`) and keep input data on GCS (gs://...), "
+            "(create_strategy('tpu', tpu='NAME') or set TPU_NAME; it needs the tpu extra: "
+            f"`{INSTALL_TPU}` in the clone) and keep input data on GCS (gs://...), "
             "readable by every host.")
 
 
@@ -169,8 +173,8 @@ def connect_tpu(tpu: str | None = None, environ: Mapping[str, str] | None = None
         return resolver
     raise TPUNotFoundError(
         "No TPU found. Tried:\n  - " + "\n  - ".join(tried or _NOTHING_FOUND) + "\n"
-        "On Colab choose Runtime > Change runtime type > TPU and install the TPU build "
-        "(`pip install \"tfpar[tpu]\"`, see docs/tpu.md); on a Cloud TPU VM run on the VM "
+        "On Colab choose Runtime > Change runtime type > TPU and install the TPU build from "
+        f"the clone (`{INSTALL_TPU}`, see docs/tpu.md); on a Cloud TPU VM run on the VM "
         "itself; for a named TPU or a pod slice pass tpu='NAME' (or set TPU_NAME). To run "
         "without a TPU use create_strategy('auto').")
 
@@ -197,7 +201,7 @@ def _initialize(name: str):
     tf.tpu.experimental.initialize_tpu_system(resolver)
     if not tf.config.list_logical_devices("TPU"):
         raise RuntimeError("initialised, but no TPU devices are visible (is this the "
-                           "tensorflow-tpu build? `pip install \"tfpar[tpu]\"`)")
+                           f"tensorflow-tpu build? `{INSTALL_TPU}` in the clone)")
     return resolver
 
 
