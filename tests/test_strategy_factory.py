@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tfpar
+from tfpar.strategy import keras_backend
 from tfpar.strategy import factory, keras_fixes, tpu as tpu_lib
 
 
@@ -169,18 +170,18 @@ def test_keras_backend_jax_gets_tfpars_message_not_no_module_named_jax():
 def test_a_keras_json_naming_another_backend_is_refused_with_its_path(tmp_path):
     (tmp_path / "keras.json").write_text(json.dumps({"backend": "torch", "floatx": "float32"}))
     environ = {"KERAS_HOME": str(tmp_path)}
-    assert factory.keras_backend(environ, modules={}) == (
+    assert keras_backend.keras_backend(environ, modules={}) == (
         "torch", f'"backend": "torch" in {tmp_path / "keras.json"}')
-    with pytest.raises(factory.KerasBackendError, match=r'set "backend": "tensorflow" in .*keras\.json'):
-        factory.check_keras_backend(environ, modules={})
-    assert factory.keras_backend({**environ, "KERAS_BACKEND": "tensorflow"}, modules={})[0] == "tensorflow"
-    assert factory.keras_backend({}, modules={})[0] in ("tensorflow", "jax", "torch", "numpy")
+    with pytest.raises(keras_backend.KerasBackendError, match=r'set "backend": "tensorflow" in .*keras\.json'):
+        keras_backend.check_keras_backend(environ, modules={})
+    assert keras_backend.keras_backend({**environ, "KERAS_BACKEND": "tensorflow"}, modules={})[0] == "tensorflow"
+    assert keras_backend.keras_backend({}, modules={})[0] in ("tensorflow", "jax", "torch", "numpy")
 
 
 def test_keras_imported_with_another_backend_is_refused_by_name(monkeypatch):
     import keras
 
     monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
-    with pytest.raises(factory.KerasBackendError, match="set to 'jax'.*restart"):
+    with pytest.raises(keras_backend.KerasBackendError, match="set to 'jax'.*restart"):
         tfpar.create_strategy("default")
-    assert isinstance(factory.KerasBackendError("x"), (tfpar.TfparError, ImportError))
+    assert isinstance(keras_backend.KerasBackendError("x"), (tfpar.TfparError, ImportError))

@@ -282,11 +282,11 @@ def fit_and_loop_step(strategy) -> dict:
 def collect(options: Options) -> dict:
     """Everything tfpar-check reports, as one dict (what --json prints)."""
     report: dict[str, Any] = {"versions": versions(), "problems": [], "warnings": []}
-    from tfpar.strategy import factory
+    from tfpar.strategy import keras_backend
 
     try:
-        factory.check_keras_backend()  # before anything imports Keras (KERAS_BACKEND=jax)
-    except factory.KerasBackendError as e:
+        keras_backend.check_keras_backend()  # before anything imports Keras (KERAS_BACKEND=jax)
+    except keras_backend.KerasBackendError as e:
         report.update(strategy={"name": options.strategy, "why": "not created"}, cluster=None)
         report["problems"].append(str(e))
         return report

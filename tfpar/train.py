@@ -443,7 +443,7 @@ def main(argv) -> None:
     if not workdir:
         raise app.UsageError("--workdir is required, e.g. --workdir=/tmp/tfpar_run")
     try:
-        from tfpar.strategy.factory import check_keras_backend
+        from tfpar.strategy.keras_backend import check_keras_backend
 
         check_keras_backend()  # before validate imports Keras (KERAS_BACKEND=jax: one line)
         validate(config)

@@ -1,9 +1,7 @@
 """One name -> a tf.distribute strategy, with the cluster found and checked first.
 
-Keras must run on its TensorFlow backend: `create_strategy` checks that first, reading
-what Keras reads where Keras is not imported yet (this module imports it only after the
-check), so `KERAS_BACKEND=jax` gets one error naming the fix instead of "No module named
-'jax'" or a failure deep in a step.
+Keras must run on its TensorFlow backend: `create_strategy` checks that first
+(tfpar.strategy.keras_backend; this module imports Keras only after the check).
 
 Example:
     >>> strategy = tfpar.create_strategy("mirrored", virtual_devices=2)   # 2 replicas on a CPU
@@ -14,15 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import importlib.util
 import itertools
-import json
 import os
-import sys
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
-from tfpar.errors import KerasBackendError, StrategyOptionError, TPUNotFoundError, UnknownStrategyError
+from tfpar.errors import StrategyOptionError, TPUNotFoundError, UnknownStrategyError
 from tfpar.strategy import cluster as cluster_lib
+from tfpar.strategy.keras_backend import check_keras_backend
 from tfpar.strategy import preflight, runtime, tpu as tpu_lib  # not keras_fixes: it imports Keras
 
 STRATEGY_NAMES = (
@@ -30,80 +26,6 @@ STRATEGY_NAMES = (
 )
 ALIASES = {"off": "default", "mwms": "multi_worker_mirrored", "ps": "parameter_server"}
 ALL_REDUCE = ("auto", "nccl", "ring", "hierarchical_copy", "one_device")
-
-
-def keras_backend(environ: Mapping[str, str] | None = None,
-                  modules: Mapping[str, Any] | None = None) -> tuple[str, str]:
-    """The backend Keras runs on (or will, once imported) and where that was set.
-
-    Read as Keras reads it (keras/src/backend/config.py: "backend" in keras.json under
-    KERAS_HOME or ~/.keras, then a non-empty KERAS_BACKEND), without importing Keras,
-    whose import fails outright when that backend is not installed.
-
-    Example:
-        >>> keras_backend({"KERAS_BACKEND": "jax"}, modules={})
-        ('jax', 'KERAS_BACKEND=jax')
-    """
-    modules = sys.modules if modules is None else modules
-    environ = os.environ if environ is None else environ
-    named = f"KERAS_BACKEND={environ['KERAS_BACKEND']}" if environ.get("KERAS_BACKEND") else ""
-    keras = modules.get("keras")
-    if keras is not None and hasattr(keras, "backend"):
-        return keras.backend.backend(), "Keras is imported with it" + (f", {named}" if named else "")
-    if named:
-        return environ["KERAS_BACKEND"], named
-    path = os.path.join(_keras_dir(environ), "keras.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            name = json.load(f).get("backend")
-    except (OSError, ValueError, AttributeError):
-        name = None
-    if name:
-        return name, f'"backend": "{name}" in {path}'
-    return "tensorflow", "Keras's default"
-
-
-def _keras_dir(environ: Mapping[str, str]) -> str:
-    if environ.get("KERAS_HOME"):
-        return environ["KERAS_HOME"]
-    home = os.path.expanduser("~")
-    return os.path.join(home if os.access(home, os.W_OK) else "/tmp", ".keras")
-
-
-def check_keras_backend(environ: Mapping[str, str] | None = None,
-                        modules: Mapping[str, Any] | None = None) -> None:
-    """Refuses any Keras backend but TensorFlow, by name, with where it was set and the fix.
-
-    Raises:
-      KerasBackendError: e.g. KERAS_BACKEND=jax (set on some TPU images).
-    """
-    name, source = keras_backend(environ, modules)
-    if name != "tensorflow":
-        raise KerasBackendError(f"tfpar trains with tf.distribute and needs Keras's TensorFlow "
-                                f"backend, but Keras is set to {name!r} ({source}). "
-                                f"{_backend_fix(name, source)}")
-
-
-_IN_A_NOTEBOOK = '`os.environ["KERAS_BACKEND"] = "tensorflow"` in a notebook\'s first cell'
-
-
-def _backend_fix(name: str, source: str) -> str:
-    """What to change, where `keras_backend` found the backend."""
-    where = "set KERAS_BACKEND=tensorflow"
-    if "KERAS_BACKEND=" in source:
-        where = "unset KERAS_BACKEND or set it to tensorflow"
-    elif '"backend": ' in source:  # '"backend": "jax" in PATH'
-        where = (f'set "backend": "tensorflow" in {source.rsplit(" in ", 1)[1]} '
-                 "(or KERAS_BACKEND=tensorflow)")
-    fix = (f"before anything imports keras, {where}: `export KERAS_BACKEND=tensorflow`, or "
-           f"{_IN_A_NOTEBOOK}.")
-    if source.startswith("Keras is imported"):
-        return (f"Its backend cannot change in this process: {fix[:-1]}, then restart Python "
-                "(a notebook: its runtime).")
-    if name in ("jax", "torch") and importlib.util.find_spec(name) is None:
-        fix += (f" As it is set, `import keras` itself fails: {name} is not installed "
-                f"(\"No module named '{name}'\").")
-    return fix[0].upper() + fix[1:]
 
 
 def normalize_name(name: str) -> str:
@@ -167,10 +89,7 @@ def create_strategy(
     _check_all_reduce(all_reduce, num_packs)
     if virtual_devices is not None:
         runtime.split_devices(virtual_devices)
-    tpu_resolver = None
-    if kind == "auto":
-        kind, cluster, reason, tpu_resolver = _auto(tpu, cluster)
-        print(f"tfpar: strategy 'auto' chose {kind!r}: {reason}.", flush=True)
+    kind, cluster, tpu_resolver = _resolve_auto(kind, tpu, cluster)
     if variable_partitioner is not None and kind != "parameter_server":
         raise StrategyOptionError(
             f"variable_partitioner splits variables over parameter servers; {kind!r} has none. "
@@ -185,6 +104,15 @@ def create_strategy(
 
     keras_fixes.apply_and_report()  # all or nothing; says once if they cannot apply
     return strategy
+
+
+def _resolve_auto(kind: str, tpu, cluster) -> tuple[str, Any, Any]:
+    """(kind, cluster, TPU resolver): what 'auto' chooses, said in one line; others as given."""
+    if kind != "auto":
+        return kind, cluster, None
+    kind, cluster, reason, tpu_resolver = _auto(tpu, cluster)
+    print(f"tfpar: strategy 'auto' chose {kind!r}: {reason}.", flush=True)
+    return kind, cluster, tpu_resolver
 
 
 def partitioner(shards: int = 0, min_shard_bytes: int = 0, max_shards: int | None = None):
