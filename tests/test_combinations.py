@@ -209,15 +209,15 @@ def test_the_binary_gives_onebit_adam_the_configs_adamw():
     and weight decay became 0, beta_2 0.999 and clipping off."""
     import runpy
 
-    from tfpar import train
+    from tfpar import run as run_lib
     from tfpar.config import ConfigError, validate
 
     config = runpy.run_path("configs/reverse_tiny.py")["get_config"]()
     config.mode, config.compression = "loop", "onebit_adam"
     config.train.steps = 2
     validate(config)
-    run = train._setup(config, "/tmp/unused")  # pylint: disable=protected-access
-    train._build(run)  # pylint: disable=protected-access
+    run = run_lib.setup(config, "/tmp/unused")
+    run_lib.build(run)
     onebit, sgd = run.trainer.aggregator, run.trainer.optimizer
     assert (onebit.beta_1, onebit.beta_2, onebit.epsilon, onebit.clip_norm) == (0.9, 0.98, 1e-7, 1.0)
     assert isinstance(sgd, keras.optimizers.SGD) and sgd.momentum == 0 and sgd.weight_decay == 0.01

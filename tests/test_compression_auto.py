@@ -194,16 +194,16 @@ def test_auto_leaves_out_a_candidate_that_cannot_run_on_the_model():
 def test_the_binary_gives_auto_the_runs_steps_and_tokens_per_replica():
     from types import SimpleNamespace
 
-    from tfpar import config as config_lib, train
+    from tfpar import config as config_lib, run as run_lib
     from tfpar.models.vit import ViT
 
     config = config_lib.base_config()
     config.compression, config.train.steps, config.train.batch_size = "auto", 300, 8
     run = SimpleNamespace(config=config, asynchronous=False, info=SimpleNamespace(replicas=2),
                           splits=SimpleNamespace(info={"kind": "lm", "max_len": 64}))
-    auto = train._compression(run, model=None)
+    auto = run_lib.compression_for(run, model=None)
     assert (auto.total_steps, auto.tokens) == (300, 4 * 64)  # 8 / 2 replicas x 64 positions
     run.splits.info = {"kind": "image", "image_size": 16, "channels": 3}
     config.compression_args.auto_total_steps = 50  # set: wins over train.steps
-    auto = train._compression(run, ViT(image_size=16, patch_size=4, channels=3, dim=16, heads=2))
+    auto = run_lib.compression_for(run, ViT(image_size=16, patch_size=4, channels=3, dim=16, heads=2))
     assert (auto.total_steps, auto.tokens) == (50, 4 * 16)  # 16 patches of 4 x 4

@@ -319,16 +319,16 @@ def test_the_binary_compiles_fit_without_jit_on_a_one_chip_tpu_and_says_so(tmp_p
     import runpy
 
     from procs import REPO
-    from tfpar import data as data_lib, train
+    from tfpar import data as data_lib, run as run_lib
 
     config = runpy.run_path(str(REPO / "configs" / "reverse_tiny.py"))["get_config"]()
     config.train.steps = 2
     assert config.train.xla and config.mode == "fit"
     strategy, said = tpu_stand_in(), []
     splits = data_lib.load(config.data.name, seq_len=config.data.seq_len, seed=config.seed)
-    run = train._Run(config, str(tmp_path), strategy, tfpar.describe(strategy), splits,  # pylint: disable=protected-access
+    run = run_lib._Run(config, str(tmp_path), strategy, tfpar.describe(strategy), splits,  # pylint: disable=protected-access
                      said.append, asynchronous=False)
-    train._build(run)  # pylint: disable=protected-access
+    run_lib.build(run)
     assert run.model.jit_compile is False
     assert [line for line in said if "jit_compile" in line] == [
-        train.fit_jit_compile(True, "tpu", 1)[1]]
+        run_lib.fit_jit_compile(True, "tpu", 1)[1]]

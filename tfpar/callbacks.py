@@ -230,3 +230,39 @@ def keras_fit(model: keras.Model, controller, dataset_at: Callable[[int], object
                       callbacks=[DriveController(controller, first, size * count)])
     finally:
         _use_execution_size(model, compiled, functions)
+
+
+def wire_phases(info, model, compression, trainer, train_data, asynchronous, start: int,
+                total: int, name: str) -> list | None:
+    """The phases on the wire (tfpar.callbacks.WirePhase) of the steps this run trains,
+    `start` to `total` (none left: the last step's), bytes per replica per step: counted
+    from the traced step of each distinct phase (loop: the traces training uses; with a
+    stateful compressor that includes the 4-byte finiteness flag, `check_bytes_per_step`),
+    or the compressor's analytic sizes (fit: one phase, whose step Keras traces; the loop's
+    tests show that the gradients' counted bytes equal them)."""
+    from tfpar.compression import accounting  # pylint: disable=import-outside-toplevel
+
+    if asynchronous or (info.replicas == 1 and info.num_workers == 1):
+        return None  # nothing is all-reduced
+    if trainer is None:
+        dense = accounting.fp32_bytes(model.trainable_variables)
+        sent = (sum(compression.payload_bytes(model.trainable_variables).values())
+                if compression is not None else dense)
+        return [WirePhase(name, start, sent, dense)]
+
+    def label(phase) -> str:  # None (one phase), "warmup", ("compressed", rank or density)
+        if not isinstance(phase, tuple):
+            return name if phase is None else str(phase)
+        return f"{phase[0]}({', '.join(f'{p:.3g}' if isinstance(p, float) else str(p) for p in phase[1:])})"
+
+    # One iterator for every phase: each new iterator of the data reshuffles it (a shuffle's
+    # seed generator), so the data a run trains on must not depend on how many phases it has.
+    aggregator, iterator, counted, phases = trainer.aggregator, iter(train_data), {}, []
+    firsts = [min(start, total - 1)] + sorted(b for b in aggregator.boundaries() if start < b < total)
+    for first, phase in ((first, aggregator.phase(first)) for first in firsts):
+        if phase not in counted:  # one trace per distinct phase: the one its steps run
+            counted[phase] = trainer.wire_bytes(iterator, step=first)
+        if not phases or phases[-1].name != label(phase):
+            phases.append(WirePhase(label(phase), first, counted[phase]["bytes_per_step"],
+                                    counted[phase]["fp32_bytes_per_step"]))
+    return phases

@@ -1,0 +1,319 @@
+"""One training run from a config: strategy, data, model, optimizer, compression, the outer
+loop (Keras fit or tfpar's loop), the final evaluation and a text sample. `tfpar-train`
+(tfpar.train) parses the flags and calls `train_and_evaluate`.
+
+Example:
+    >>> config = runpy.run_path("configs/gpt_tiny.py")["get_config"]()
+    >>> results = train_and_evaluate(config, "/tmp/run")      # resumes from /tmp/run if it can
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+import time
+from typing import Any, Callable
+
+from tfpar.config import ConfigError
+
+
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def _create_strategy(config):
+    import tfpar
+    from tfpar.strategy import partitioner
+
+    args = config.strategy_args
+    return tfpar.create_strategy(
+        config.strategy,
+        virtual_devices=args.virtual_devices or None,
+        all_reduce=args.all_reduce,
+        num_packs=args.num_packs,
+        tpu=args.tpu or None,
+        timeout_s=args.timeout_s or None,
+        connect_timeout_s=args.connect_timeout_s,
+        variable_partitioner=partitioner(args.partition_shards, args.partition_min_bytes),
+    )
+
+
+def compression_for(run: _Run, model):
+    from tfpar import compression as compression_lib
+    from tfpar import data as data_lib
+
+    config = run.config
+    if run.asynchronous and config.compression != "none":
+        raise ConfigError("config.compression: parameter_server has no all-reduce to compress "
+                          "(each worker sends its own gradients). Use multi_worker_mirrored, or "
+                          "--config.compression=none.")
+    args = dict(config.compression_args)
+    if config.compression.lower() == "auto":  # its prediction needs the run's length and size
+        args["auto_total_steps"] = args["auto_total_steps"] or config.train.steps
+        args["auto_tokens"] = (data_lib.per_replica_batch_size(config.train.batch_size, run.info.replicas)
+                               * _positions(model, run.splits.info))
+    return compression_lib.from_config(config.compression, **args)
+
+
+def _positions(model, info: dict) -> int:
+    """Rows one example puts through the model's matrices: its tokens, or its image patches."""
+    if info["kind"] == "image":
+        return (model.config.image_size // model.config.patch_size) ** 2
+    return info["max_len"]
+
+
+@dataclasses.dataclass
+class _Run:
+    """What the steps of one training run share."""
+
+    config: Any
+    workdir: str
+    strategy: Any
+    info: Any
+    splits: Any
+    say: Callable[[str], None]
+    asynchronous: bool
+    model: Any = None
+    optimizer: Any = None
+    compression: Any = None
+    trainer: Any = None
+    checkpoints: Any = None
+    augment: Any = None
+    eval_data: Any = None
+
+    @property
+    def corpus(self) -> bool:
+        return self.splits.info["kind"] == "lm" and self.config.data.name == "corpus"
+
+    @property
+    def unit(self) -> str:
+        return "tok" if self.corpus else "ex"
+
+
+def setup(config, workdir: str) -> _Run:
+    """Strategy first (before anything touches TensorFlow), then the checks and the data."""
+    import keras
+
+    import tfpar
+    from tfpar import data as data_lib
+
+    strategy = _create_strategy(config)
+    info = tfpar.describe(strategy)
+    say = _say if info.is_chief else (lambda message: None)
+    say(f"tfpar: {info.kind}, {info.replicas} replica(s), {info.num_workers} worker(s); "
+        f"workdir {workdir}")
+    if config.precision != "float32":
+        keras.mixed_precision.set_global_policy(config.precision)
+    keras.utils.set_random_seed(config.seed)
+    asynchronous = info.kind == "parameter_server"
+    if asynchronous and config.mode != "loop":
+        raise ConfigError("config.mode: parameter_server trains with tfpar's own loop (Keras fit "
+                          "does not support it, keras#18624). Add --config.mode=loop.")
+    t = config.train
+    data_lib.per_replica_batch_size(t.batch_size, info.replicas)
+    if not asynchronous:  # checked now, not after training (the ps chief evaluates alone)
+        data_lib.per_replica_batch_size(t.eval_batch_size, info.replicas)
+    splits = data_lib.load(config.data.name, seq_len=config.data.seq_len, files=config.data.files or None,
+                           data_dir=config.data.data_dir or None, seed=config.seed)
+    return _Run(config, workdir, strategy, info, splits, say, asynchronous)
+
+
+def fit_jit_compile(xla: bool, kind: str, replicas: int) -> tuple[bool, str | None]:
+    """What `train.xla` gives Keras fit's `jit_compile`, and the line that says so when
+    the config asked for XLA and does not get it (None otherwise).
+
+    Keras 3.15 resolves only "auto" (off under any strategy); an explicit True stays on
+    and jit-compiles Keras's whole step, `strategy.run` included. Under TPUStrategy that
+    is an XLA function on the host around the TPU program (keras#19448: NotFoundError),
+    and the TPU compiles every step with XLA anyway; with 2+ replicas tfpar's
+    steps_per_execution fix leaves that step unwrapped, which dropped a True silently.
+
+    Example:
+        >>> fit_jit_compile(True, "tpu", 1)[0], fit_jit_compile(True, "default", 1)
+        (False, (True, None))
+    """
+    if not xla:
+        return False, None
+    if kind == "tpu":
+        return False, ("tfpar: train.xla=True: Keras fit compiles without jit_compile under "
+                       "TPUStrategy: the TPU compiles every step with XLA already, and "
+                       "jit_compile=True would wrap strategy.run in an XLA function on the host "
+                       "(keras#19448).")
+    if replicas > 1:
+        return False, (f"tfpar: train.xla=True: Keras fit compiles without jit_compile on "
+                       f"{replicas} replicas (its step wraps strategy.run, which XLA does not "
+                       "compile across devices); --config.mode=loop jit-compiles each replica's "
+                       "forward + backward.")
+    return True, None
+
+
+def build(run: _Run) -> None:
+    """Model, optimizer, compression, Trainer (loop mode) and checkpoints, restored."""
+    from tfpar import recipes
+    from tfpar.checkpoints import Checkpoints
+    from tfpar.compression import Auto, compress_fit
+    from tfpar.loop import Trainer
+
+    config, t = run.config, run.config.train
+    jit, jit_note = fit_jit_compile(t.xla, run.info.kind, run.info.replicas)
+    if jit_note and config.mode == "fit":
+        run.say(jit_note)
+    with run.strategy.scope():
+        model = recipes.build_model(config, run.splits.info)
+        model.compile(optimizer=recipes.build_optimizer(config.optimizer, t.steps),
+                      loss=recipes.SmoothedSparseCrossentropy(config.optimizer.label_smoothing),
+                      steps_per_execution=t.steps_per_loop, jit_compile=jit)
+        compression = compression_for(run, model)
+        if config.mode == "fit":
+            if compression is not None:  # dgc: its SGD's momentum moves in, a plain SGD applies
+                compress_fit(model, compression)
+            model.optimizer.build(model.trainable_variables)  # fp16: a LossScaleOptimizer
+    optimizer = model.optimizer
+    if config.mode == "loop":  # onebit_adam, dgc_adam, dgc: the Trainer's optimizer applies their step
+        if isinstance(compression, Auto):  # a resumed run keeps its decision: restored before build
+            Checkpoints(run.workdir, run.info.is_chief, **compression.checkpoint_items()).restore()
+        run.trainer = Trainer(model, optimizer, model.loss, run.strategy, steps_per_loop=t.steps_per_loop,
+                              accumulate=t.accumulate, compression=compression, nonfinite=t.nonfinite,
+                              xla=None if t.xla else False)
+        optimizer = run.trainer.optimizer
+    state = compression.checkpoint_items() if compression is not None else {}
+    run.checkpoints = Checkpoints(run.workdir, run.info.is_chief, model=model, optimizer=optimizer, **state)
+    run.model, run.optimizer, run.compression = model, optimizer, compression
+    run.say(f"model: {model.name}, {model.count_params():,} parameters, stages: "
+            f"{', '.join(name for name, _ in model.stages())}")
+    if config.data.augment and run.splits.info.get("kind") == "image":
+        run.augment = recipes.image_augmentation(run.splits.info["image_size"])
+
+
+def _train_data(run: _Run, step: int):
+    """The training data from `step` on (parameter_server: each worker its own order)."""
+    from tfpar import data as data_lib
+
+    t = run.config.train
+    if run.asynchronous:  # the weights and step are resumed, the order is new
+        return run.trainer.per_worker_dataset(
+            data_lib.worker_train_fn(run.splits.train, t.batch_size, run.augment))
+    return data_lib.distribute_train(run.strategy, run.splits.train, t.batch_size,
+                                     start_step=step * t.accumulate, augment=run.augment)
+
+
+def _evaluate(run: _Run) -> dict:
+    """Exact eval over the validation set (parameter_server: the chief alone)."""
+    import tensorflow as tf
+
+    from tfpar import data as data_lib
+    from tfpar.evaluation import evaluate
+
+    eval_strategy = tf.distribute.get_strategy() if run.asynchronous else run.strategy
+    if run.eval_data is None:
+        t = run.config.train
+        run.eval_data = data_lib.distribute_eval(eval_strategy, run.splits.validation,
+                                                 t.eval_batch_size, limit=t.eval_examples)
+    data, steps = run.eval_data
+    if run.trainer is not None:
+        return run.trainer.evaluate(data, steps)
+    return evaluate(run.model, eval_strategy, data, steps, xla=run.config.train.xla)
+
+
+def _controller(run: _Run, start: int, wire: list | None, writer):
+    from tfpar import preemption
+    from tfpar.callbacks import ProgressLine, current_learning_rate
+    from tfpar.controller import Controller
+
+    t = run.config.train
+    units = t.batch_size * t.accumulate * (run.config.data.seq_len if run.corpus else 1)
+    progress = ProgressLine(t.steps, units, run.unit, lambda: current_learning_rate(run.optimizer),
+                            wire=wire, say=run.say if run.info.is_chief else None)
+    # ps: a dead worker is restarted while the chief goes on; no coordinated save needed
+    watch = None if run.asynchronous else preemption.PreemptionWatch(run.strategy)
+    return Controller(
+        total_steps=t.steps, steps_per_loop=t.steps_per_loop, start_step=start,
+        log_every=t.log_every, eval_every=t.eval_every, checkpoint_every=t.checkpoint_every,
+        checkpoints=run.checkpoints, progress=progress, writer=writer,
+        evaluate=lambda: _evaluate(run), preemption=watch, say=run.say, say_everywhere=_say,
+        stop_on_nonfinite=run.trainer is None and t.nonfinite == "stop")  # the loop checks itself
+
+
+def _summary_writer(run: _Run):
+    import tensorflow as tf
+
+    directory = os.path.join(run.workdir, "tensorboard") if run.info.is_chief else tempfile.mkdtemp()
+    return tf.summary.create_file_writer(directory)
+
+
+def _results(run: _Run, train_seconds: float, progress_last: dict, wire: list | None, writer) -> dict:
+    """The final eval, written to TensorBoard, results.json and the output."""
+    import tensorflow as tf
+
+    from tfpar import data as data_lib
+
+    t, unit = run.config.train, run.unit
+    results = _evaluate(run)
+    results.update(step=t.steps, train_seconds=train_seconds,
+                   throughput=progress_last.get(f"{unit}_per_s"), throughput_unit=f"{unit}/s")
+    if wire:  # over the steps this run trained (none: the last step's phase)
+        ratio = progress_last.get("run_compression_ratio", wire[-1].ratio)
+        results.update(compression=run.config.compression, compression_ratio=ratio,
+                       wire_bytes_per_step=round(wire[-1].fp32_bytes_per_step / ratio),
+                       wire_bytes_sent=progress_last.get("wire_bytes_sent", 0))
+    if run.corpus:
+        results["unigram_baseline"] = data_lib.unigram_entropy(run.splits.validation)
+    with writer.as_default(step=t.steps):
+        for key in ("loss", "perplexity", "accuracy", "exact"):
+            tf.summary.scalar(f"eval/{key}", results[key])
+    writer.flush()
+    run.say("eval: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                                 for k, v in results.items()))
+    if run.info.is_chief:
+        with open(os.path.join(run.workdir, "results.json"), "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+def _sample(run: _Run) -> None:
+    from tfpar.sampling import generate
+
+    s = run.config.sample
+    if not run.corpus or s.length <= 0:
+        return
+    text = generate(run.model, s.prompt, s.length, run.config.data.seq_len, s.temperature,
+                    seed=run.config.seed)
+    run.say("sample:\n" + text)
+    if run.info.is_chief:
+        with open(os.path.join(run.workdir, "sample.txt"), "w", encoding="utf-8") as f:
+            f.write(text)
+
+
+def train_and_evaluate(config, workdir: str) -> dict:
+    """Trains (Keras fit or tfpar's loop) under the configured strategy, resuming from the
+    newest checkpoint in `workdir`; returns the final eval results.
+
+    Example:
+        >>> train_and_evaluate(runpy.run_path("configs/gpt_tiny.py")["get_config"](), "/tmp/run")
+    """
+    from tfpar.callbacks import keras_fit, wire_phases, wire_start_line
+
+    run = setup(config, workdir)
+    build(run)
+    start = run.checkpoints.restore()
+    if start:
+        run.say(f"resuming from step {start} ({run.checkpoints.restored})")
+    train_data = _train_data(run, start)
+    writer = _summary_writer(run)
+    wire = wire_phases(run.info, run.model, run.compression, run.trainer, train_data, run.asynchronous,
+                       start, config.train.steps, config.compression)
+    if wire:
+        run.say(wire_start_line(wire, config.compression, config.train.steps))
+    controller = _controller(run, start, wire, writer)
+    started = time.perf_counter()
+    if start < config.train.steps and run.trainer is not None:
+        run.trainer.fit(train_data, config.train.steps, start_step=start, controller=controller)
+    elif start < config.train.steps:
+        keras_fit(run.model, controller,
+                  lambda step: train_data if step == start else _train_data(run, step))
+    controller.end()
+    results = _results(run, time.perf_counter() - started, controller.progress.last, wire, writer)
+    _sample(run)
+    return results
