@@ -11,7 +11,7 @@ import tensorflow as tf
 
 import tfpar
 from procs import REPO
-from tfpar.strategy import keras_fixes, private_api
+from tfpar.strategy import keras_fixes, private_api, trainer_fixes
 
 Trainer = private_api.trainer_module().TensorFlowTrainer
 KERAS_OWN: dict = {}
@@ -76,7 +76,7 @@ def test_a_closure_renamed_after_the_check_fails_at_trace_time(monkeypatch):
     """Belt and braces: if the closure is not seen while the fix runs, fit stops, loudly."""
     from scripts import fit_model
 
-    monkeypatch.setattr(keras_fixes, "STEP_CLOSURE", "no_such_closure")
+    monkeypatch.setattr(trainer_fixes, "STEP_CLOSURE", "no_such_closure")
     strategy = tfpar.create_strategy("mirrored", devices=["/cpu:0", "/cpu:1"])
     with pytest.raises(private_api.KerasFixError, match="one_step_on_data|no_such_closure"):
         fit_model.train(strategy, fit_model.initial_weights(), steps_per_execution=2, steps=2)

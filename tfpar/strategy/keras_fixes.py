@@ -58,9 +58,7 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import inspect
 from typing import Callable
 
@@ -68,8 +66,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tfpar.errors import UnsupportedStrategyError
-from tfpar.strategy import optimizer_update, private_api
+from tfpar.strategy import optimizer_update, private_api, trainer_fixes
 
 _ORIGINALS: dict[tuple[object, str], object] = {}
 _REPORTED: set = set()
@@ -236,121 +233,6 @@ class Fix:
         return self.requires(target)
 
 
-# -- 1. symbolic build under multi-worker strategies ---------------------------------
-
-def _first_local_value(value):
-    if isinstance(value, tf.distribute.DistributedValues):
-        return value.values[0]
-    return value
-
-
-@contextlib.contextmanager
-def _reduce_as_first_local_value(strategy):
-    """Within the block, `strategy.reduce(op, batch, axis)` returns replica 0's batch."""
-
-    def reduce(reduce_op, value, axis=None):  # pylint: disable=unused-argument
-        return tf.nest.map_structure(_first_local_value, value)
-
-    strategy.reduce = reduce
-    try:
-        yield
-    finally:
-        del strategy.reduce
-
-
-def _fix_symbolic_build(original):
-    @functools.wraps(original)
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        strategy = self._distribute_strategy
-        if strategy is None:
-            return original(self, iterator=iterator, data_batch=data_batch)
-        with _reduce_as_first_local_value(strategy):
-            return original(self, iterator=iterator, data_batch=data_batch)
-
-    return _maybe_symbolic_build
-
-
-def _fix_reduce_per_replica(original):
-    @functools.wraps(original)
-    def reduce_per_replica(values, strategy, reduction):
-        if reduction not in ("auto", "mean") or not _trainer_module()._collective_all_reduce_multi_worker(  # pylint: disable=protected-access
-            strategy
-        ):
-            return original(values, strategy, reduction)
-
-        def reduce(value):
-            if getattr(_first_local_value(value), "shape", None) == ():
-                return strategy.reduce("MEAN", value, axis=None)
-            return original(value, strategy, reduction)
-
-        return tf.nest.map_structure(reduce, values)
-
-    return reduce_per_replica
-
-
-# -- 2. steps_per_execution > 1 under multi-replica strategies -----------------------
-
-STEP_CLOSURE = "one_step_on_data"  # Keras's per-step function inside _make_function
-
-
-class _TFWithInlineStep:
-    """The `tf` module as Keras's trainer sees it, except that `tf.function` leaves
-    Keras's per-step function (`one_step_on_data`) unwrapped; `seen` says whether it came."""
-
-    def __init__(self):
-        self.seen = False
-
-    def __getattr__(self, name):
-        return getattr(tf, name)
-
-    def function(self, func=None, **kwargs):
-        if func is not None and getattr(func, "__name__", "") == STEP_CLOSURE:
-            self.seen = True
-            return func
-        return tf.function(func, **kwargs)
-
-
-def _fix_make_function(original):
-    @functools.wraps(original)
-    def _make_function(self, step_function):
-        strategy = self._distribute_strategy
-        if strategy is None or strategy.num_replicas_in_sync == 1 or self.run_eagerly:
-            return original(self, step_function)
-        module = _trainer_module()
-        module.tf = inline = _TFWithInlineStep()
-        try:
-            function = original(self, step_function)
-        finally:
-            module.tf = tf
-        if not inline.seen:  # detected, never skipped: fit would fail further on
-            raise private_api.KerasFixError(
-                f"Keras {keras.__version__} no longer wraps a function named {STEP_CLOSURE!r} "
-                "in _make_function, so tfpar's steps_per_execution fix cannot find it. Use a "
-                "Keras in setup.py's range, or steps_per_execution=1, or tfpar's loop.")
-        return function
-
-    return _make_function
-
-
-# -- 3. a clear refusal under parameter-server strategies ----------------------------
-
-def _refuse_parameter_server(original):
-    @functools.wraps(original)
-    def method(self, *args, **kwargs):
-        strategy = self._distribute_strategy or tf.distribute.get_strategy()
-        if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
-            raise UnsupportedStrategyError(
-                f"Keras 3 `model.{original.__name__}` does not support ParameterServerStrategy "
-                "(keras#18624). Train with tfpar's own loop instead: "
-                "tfpar.Trainer(model, optimizer, loss, strategy=strategy), or "
-                "`tfpar-train --config.mode=loop`; or pick another strategy "
-                "(e.g. 'multi_worker_mirrored') to keep using fit."
-            )
-        return original(self, *args, **kwargs)
-
-    return method
-
-
 # -- the targets, and what each fix relies on inside them ------------------------------
 
 def _trainer_module():
@@ -376,8 +258,8 @@ def _needs_multi_worker_check(target) -> str | None:  # pylint: disable=unused-a
 
 
 def _needs_step_closure(target) -> str | None:
-    if STEP_CLOSURE not in _nested_code_names(target):
-        return f"its per-step closure {STEP_CLOSURE!r} was renamed"
+    if trainer_fixes.STEP_CLOSURE not in _nested_code_names(target):
+        return f"its per-step closure {trainer_fixes.STEP_CLOSURE!r} was renamed"
     if getattr(_trainer_module(), "tf", None) is not tf or not _uses(target, "tf", "function"):
         return "it no longer wraps its step with the module's tf.function"
     return None
@@ -404,19 +286,19 @@ def _uses_anywhere(name: str) -> bool:
 
 _FIXES = (
     Fix("symbolic build under multi_worker_mirrored (keras#20585)", _trainer_class,
-        "_maybe_symbolic_build", _fix_symbolic_build, ("self", "iterator", "data_batch"),
+        "_maybe_symbolic_build", trainer_fixes.fix_symbolic_build, ("self", "iterator", "data_batch"),
         _needs_strategy_reduce),
     Fix("scalar logs under multi_worker_mirrored (keras#20585)", _trainer_module,
-        "reduce_per_replica", _fix_reduce_per_replica, ("values", "strategy", "reduction"),
+        "reduce_per_replica", trainer_fixes.fix_reduce_per_replica, ("values", "strategy", "reduction"),
         _needs_multi_worker_check),
     Fix("steps_per_execution > 1 under mirrored", _trainer_class, "_make_function",
-        _fix_make_function, ("self", "step_function"), _needs_step_closure),
+        trainer_fixes.fix_make_function, ("self", "step_function"), _needs_step_closure),
     Fix("fit under parameter_server refused clearly (keras#18624)", _trainer_class, "fit",
-        _refuse_parameter_server),
+        trainer_fixes.refuse_parameter_server),
     Fix("evaluate under parameter_server refused clearly", _trainer_class, "evaluate",
-        _refuse_parameter_server),
+        trainer_fixes.refuse_parameter_server),
     Fix("predict under parameter_server refused clearly", _trainer_class, "predict",
-        _refuse_parameter_server),
+        trainer_fixes.refuse_parameter_server),
     Fix("optimizer update after the all-reduce (clipping, accumulation, EMA, sparse rows)",
         private_api.optimizer_class, "_backend_apply_gradients", optimizer_update.make_apply_gradients,
         ("self", "grads", "trainable_variables"), _needs_update_names),
