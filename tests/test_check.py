@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from procs import run_python
-from tfpar import check
+from tfpar import check, check_probes
 from tfpar.launch import free_ports
 
 
@@ -116,14 +116,14 @@ def test_versions_name_the_tpu_build_and_libtpu(monkeypatch):
 def test_the_matmul_rows_time_ten_products_and_say_what_math_they_measure(monkeypatch):
     import tensorflow as tf
 
-    rows = check.matmul_throughput(["/cpu:0"], 64, 10)
+    rows = check_probes.matmul_throughput(["/cpu:0"], 64, 10)
     assert [(r["math"], r["n"], r["iterations"]) for r in rows] == [("float32", 64, 10), ("bfloat16", 64, 10)]
     assert check.Options().matmul_iterations >= 10
-    monkeypatch.setattr(check, "_tf32_applies", lambda: True)  # a GPU of compute capability >= 8.0
-    maths = [(dtype.name, math, tf32) for dtype, math, tf32 in check._matmul_rows("/device:GPU:0")]  # pylint: disable=protected-access
+    monkeypatch.setattr(check_probes, "_tf32_applies", lambda: True)  # a GPU of compute capability >= 8.0
+    maths = [(dtype.name, math, tf32) for dtype, math, tf32 in check_probes._matmul_rows("/device:GPU:0")]  # pylint: disable=protected-access
     assert maths == [("float32", "float32 (TF32 math: TensorFlow's default on this GPU)", None),
                      ("float32", "float32 (TF32 off for this row)", False), ("bfloat16", "bfloat16", None)]
     before = tf.config.experimental.tensor_float_32_execution_enabled()
-    with check._tf32(not before):  # pylint: disable=protected-access
+    with check_probes._tf32(not before):  # pylint: disable=protected-access
         assert tf.config.experimental.tensor_float_32_execution_enabled() is (not before)
     assert tf.config.experimental.tensor_float_32_execution_enabled() is before
