@@ -65,7 +65,7 @@ def inter_op_threads(argv: list[str]) -> int:
     With 4 threads for 2 devices on 2 cores, the same plan's units ran unevenly (device 1's
     forward 163 ms, device 0's 134; 5% more work a step on device 1), and zero-bubble orders
     need balanced devices. With 2 threads both forwards took 113 ms and the devices' work
-    agreed within 0.5% (docs/placement.md, "One inter-op thread per device"). Read before
+    agreed within 0.5% (benchmarks/results/schedules/README.md, "One inter-op thread per device"). Read before
     TensorFlow starts, so from the command line itself."""
     early = argparse.ArgumentParser(add_help=False)
     early.add_argument("--stages", default="2,4")
