@@ -227,3 +227,43 @@ def test_the_binary_gives_onebit_adam_the_configs_adamw():
     config.optimizer.name = "sgd"
     with pytest.raises(ConfigError, match="onebit_adam computes AdamW's step.*--config.optimizer.name=adamw"):
         validate(config)
+
+
+# -- compression meets Keras's own options ---------------------------------------------------
+
+def test_compress_fit_on_one_device_sends_through_the_compressor():
+    """One device: fit with TopK(0.05) is the loop with TopK(0.05), not uncompressed fit (the
+    update fix had made the one-device all-reduce an identity around compress_fit's hook)."""
+    def fit_topk(compression):
+        keras.utils.set_random_seed(0)
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=crossentropy())
+        if compression:
+            C.compress_fit(model, C.Compression(C.TopK(0.05), C.Policy(min_size=0)))
+        model.fit(mlp_data(steps=3), epochs=1, verbose=0, shuffle=False)
+        return model.get_weights()
+
+    tfpar.create_strategy("default")
+    keras.utils.set_random_seed(0)
+    model = mlp()
+    trainer = Trainer(model, keras.optimizers.SGD(0.1), crossentropy(),
+                      compression=C.Compression(C.TopK(0.05), C.Policy(min_size=0)))
+    trainer.fit(mlp_data(steps=3), steps=3)
+    compressed = fit_topk(True)
+    assert gap(compressed, model.get_weights()) < 1e-6
+    assert gap(compressed, fit_topk(False)) > 1e-3
+
+
+@pytest.mark.parametrize("compressor", ["topk", "int8", "sign", "powersgd"])
+def test_keras_accumulation_with_a_lossy_compressor_is_refused_by_name(compressor):
+    """Keras's gradient_accumulation_steps would compress each micro-batch on its own (topk:
+    1.15e-2 away from one 2x batch): refused in the loop and in compress_fit, naming
+    Trainer(accumulate=K). A plain sum in 16 bits (fp16) is allowed."""
+    optimizer = lambda: keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)  # noqa: E731
+    with pytest.raises(C.CompressionError, match=f"{compressor}.*gradient_accumulation_steps.*accumulate=K"):
+        Trainer(mlp(), optimizer(), crossentropy(), compression=C.get(compressor))
+    model = mlp()
+    model.compile(optimizer=optimizer(), loss=crossentropy())
+    with pytest.raises(C.CompressionError, match="micro-batch on its own"):
+        C.compress_fit(model, C.get(compressor))
+    Trainer(mlp(), optimizer(), crossentropy(), compression=C.FP16())

@@ -43,6 +43,7 @@ from tfpar.compression.policy import Policy
 from tfpar.compression.powersgd import PowerSGD
 from tfpar.compression.replica_state import per_replica
 from tfpar.loop.aggregation import GradientAggregator, communicates, densify_if_smaller
+from tfpar.strategy import private_api
 
 PER_REPLICA = "per_replica"  # the checkpoint child holding every replica's state
 SIZE_EXCHANGE_BYTES = 8  # every all_gather first gathers its input's shape: 2 x int32 here
@@ -131,6 +132,21 @@ class Compression(tf.Module, GradientAggregator):
         check = getattr(self.compressor, "check_optimizer", None)
         if check is not None:
             check(optimizer)
+        lossy = self._lossy()
+        if lossy and private_api.base_optimizer(optimizer).gradient_accumulation_steps:
+            raise CompressionError(
+                f"{lossy} with the optimizer's gradient_accumulation_steps would compress every "
+                "micro-batch on its own (each with its own error feedback and bytes), not their "
+                "sum: accumulate before the compressor with tfpar.Trainer(accumulate=K) "
+                "(--config.train.accumulate=K), or in Keras fit give a K times larger batch.")
+
+    def _lossy(self) -> str | None:
+        """The name of a compressor here that is not a plain sum in some dtype (None if none)."""
+        from tfpar.compression import get  # pylint: disable=import-outside-toplevel  (names -> compressors)
+
+        chosen = [self.compressor, *(get(c) if isinstance(c, str) else c for c in self.policy.overrides.values())]
+        lossy = [c for c in chosen if not isinstance(c, ReduceCompressor)]
+        return repr(lossy[0]) if lossy else None
 
     def optimizer_for(self, optimizer):
         """What applies the result: `optimizer`, or (DGC) a plain SGD with its learning rate."""

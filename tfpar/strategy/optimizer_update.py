@@ -104,7 +104,7 @@ def make_apply_gradients(original):
         if context is None:  # cross-replica (Keras's stateless paths): nothing to mend
             return original(self, grads, trainable_variables)
         grads_and_vars = list(zip(grads, trainable_variables))
-        if communicates(context) and not _is_parameter_server(context.strategy):
+        if not _is_parameter_server(context.strategy):  # one replica too: compress_fit's hook
             grads_and_vars = self._all_reduce_sum_gradients(grads_and_vars)
         grads = [g for g, _ in grads_and_vars]
         if SUM_SPARSE_ROWS[0]:
