@@ -329,7 +329,7 @@ class Compression(tf.Module, GradientAggregator):
                 isinstance(chosen, DGC) and param < 1)
         if gathers:
             report["(size exchange)"] = SIZE_EXCHANGE_BYTES
-        if isinstance(self.compressor, DGC) and self.compressor.clip_norm and param < 1:
+        if isinstance(self.compressor, DGC) and self.compressor.clip_norm and param is not None and param < 1:
             report["(clip norm)"] = clipping.NORM_BYTES  # the agreed norm, on the dense all-reduce
         return report
 

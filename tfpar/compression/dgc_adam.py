@@ -19,8 +19,8 @@ global norm of the mean gradient over every tensor, R g_r estimating the compres
 betas, epsilon and global_clipnorm move in here and an SGD applies the step. The top-k runs in units of Adam's step, not of the gradient: an entry with a small
 variance moves the weight more per unit of gradient, and is picked by how far it would move it.
 
-`momentum=0` is the default because it measured best (gpt_tiny, 600 steps, 50x; docs/
-compression.md): the accumulation a_r already smooths what a velocity would, and every
+`momentum=0` is the default because it measured best (gpt_tiny, 600 steps, 50x;
+benchmarks/results/compression/README.md, compression/tiny_600_dgc_adam.json): the accumulation a_r already smooths what a velocity would, and every
 gradient keeps its whole weight until it is sent. With DGC's momentum correction
 (`momentum=0.9` with masking) an entry sent every step keeps only (1 - mu) of each gradient,
 so the entries that matter most move the least. With `momentum=beta_1` and `ratio=1` every
