@@ -127,3 +127,17 @@ def test_the_matmul_rows_time_ten_products_and_say_what_math_they_measure(monkey
     with check_probes._tf32(not before):  # pylint: disable=protected-access
         assert tf.config.experimental.tensor_float_32_execution_enabled() is (not before)
     assert tf.config.experimental.tensor_float_32_execution_enabled() is before
+
+
+def test_the_check_runs_in_process_and_says_ready(capsys):
+    """tfpar-check's whole path in this process (the default strategy of the test process):
+    versions, devices, all-reduce table, matmul rows, one GPT step in fit and the loop."""
+    import json
+
+    import pytest
+
+    with pytest.raises(SystemExit) as done:
+        check.run(["--strategy=default", "--small", "--json"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert done.value.code == 0 and report["verdict"].startswith("READY"), report
+    assert report["fit_vs_loop"]["equal"] and report["all_reduce"] and report["matmul"]

@@ -132,3 +132,13 @@ def test_tfds_dataset_built_on_disk_loads_through_the_user_path(tmp_path):
     assert len(halves[0]) + len(halves[1]) == 10
     with pytest.raises(DataError, match="no dataset 'tfds:no_such_set'"):
         data_lib.load("tfds:no_such_set", data_dir=str(tmp_path))
+
+
+def test_each_parameter_server_worker_starts_at_its_own_offset():
+    """worker_train_fn: batches of the asked size from the endless shuffled stream, each
+    worker (each call: a worker, or a restarted one) at its own offset into it."""
+    splits = data_lib.load("task:reverse", seed=0)
+    make = pipeline.worker_train_fn(splits.train, batch_size=8)
+    first = [next(iter(make()))[0].numpy() for _ in range(3)]
+    assert all(b.shape[0] == 8 for b in first)
+    assert len({b.tobytes() for b in first}) > 1  # not every worker on the same batches

@@ -392,3 +392,20 @@ def test_hybrid_across_workers_refuses_what_cannot_run():
     ps = _strategy_like(tf.distribute.experimental.ParameterServerStrategy, [worker0])
     with pytest.raises(TrainerError, match="does not run under parameter_server"):
         trainer(plan, ps)
+
+
+def test_a_synthetic_gpipe_timeline_summarizes_draws_and_animates(tmp_path):
+    """2 devices x 2 micro-batches of 1 s units in GPipe order (F F on device 0, then device
+    1 a second later; backwards the other way): bubble 1/3 measured, theory (S-1)/(M+S-1)."""
+    F, B = 0, 1  # (device, micro-batch, kind, start, end, group)
+    timings = np.array([[0, 0, F, 0, 1, 0], [0, 1, F, 1, 2, 0], [1, 0, F, 1, 2, 1], [1, 1, F, 2, 3, 1],
+                        [1, 0, B, 3, 4, 1], [1, 1, B, 4, 5, 1], [0, 0, B, 4, 5, 0], [0, 1, B, 5, 6, 0]], float)
+    summary = placement.timeline.summarize(timings)
+    assert summary["bubble"] == pytest.approx(1 / 3) and summary["bubble_theory"] == pytest.approx(1 / 3)
+    assert summary["busy_by_kind_s"] == {"forward": 4.0, "backward": 4.0} and summary["makespan_s"] == 6.0
+    assert placement.timeline.unit_times(timings) == {("F", 0): 1.0, ("B", 0): 1.0, ("W", 0): 0.0,
+                                                      ("F", 1): 1.0, ("B", 1): 1.0, ("W", 1): 0.0}
+    drawn = placement.timeline.draw(timings, str(tmp_path / "g.png"), gif=str(tmp_path / "g.gif"), title="gpipe")
+    both = placement.timeline.animate({"gpipe": timings, "again": timings}, str(tmp_path / "two.gif"))
+    assert drawn["bubble"] == summary["bubble"] and set(both) == {"gpipe", "again"}
+    assert all((tmp_path / name).stat().st_size > 1000 for name in ("g.png", "g.gif", "two.gif"))

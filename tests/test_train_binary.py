@@ -135,3 +135,27 @@ def test_two_workers_train_checkpoint_and_resume(tmp_path):
     assert second.returncode == 0, second.stdout[-3000:]
     assert "[worker:0] resuming from step 40" in second.stdout
     assert "[worker:0] step 60/60" in second.stdout and "step 20/60" not in second.stdout
+
+
+def test_a_short_run_in_process_writes_its_results_and_a_sample(tmp_path, capsys, monkeypatch):
+    """The binary's whole path in this process (flags, checks, fit, checkpoint, eval, sample):
+    the fast tier's one end-to-end run, a few steps of a small GPT on the corpus."""
+    from absl import flags
+
+    from tfpar import train
+
+    argv = ["tfpar-train", "--config=configs/gpt_tiny.py", f"--workdir={tmp_path}",
+            "--config.model_args.dim=32", "--config.model_args.depth=1", "--config.data.seq_len=32",
+            "--config.train.steps=3", "--config.train.batch_size=8", "--config.train.steps_per_loop=3",
+            "--config.train.eval_examples=64", "--config.train.eval_batch_size=32", "--config.sample.length=12"]
+    monkeypatch.setattr("sys.argv", argv)  # ml_collections finds the --config.* overrides in sys.argv
+    monkeypatch.chdir(REPO)
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(argv)
+    train.main(["tfpar-train"])
+    said = capsys.readouterr().out
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["step"] == 3 and np.isfinite(results["loss"]) and results["unigram_baseline"] > 0
+    assert "step 3/3 | loss" in said and "eval: loss" in said and "sample:" in said
+    assert len((tmp_path / "sample.txt").read_text()) >= 12
+    assert glob.glob(str(tmp_path / "checkpoints" / "ckpt-3*"))
