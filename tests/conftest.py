@@ -20,6 +20,33 @@ from tfpar.strategy import runtime  # noqa: E402  (must run before TensorFlow st
 LOGICAL_CPUS = 4
 runtime.split_devices(LOGICAL_CPUS)
 
+
+def _record_traced_calls(path: str) -> None:
+    """TFPAR_CALLS_FILE=PATH: note every tfpar function that code traced by tf.function calls.
+    AutoGraph runs a converted copy of traced code, which coverage cannot see;
+    tests/public_coverage.py reads these notes beside coverage's data."""
+    import atexit
+    import inspect
+
+    from tensorflow.python.autograph.impl import api
+
+    seen, original = set(), api.converted_call
+
+    def converted_call(f, args, kwargs, caller_fn_scope=None, options=None):
+        target = f.__func__ if inspect.ismethod(f) else f  # no attribute read on other objects
+        if not inspect.isfunction(target):
+            target = getattr(type(f), "__call__", None)
+        if inspect.isfunction(target) and (target.__module__ or "").startswith("tfpar"):
+            seen.add(f"{target.__module__}.{target.__qualname__}")
+        return original(f, args, kwargs, caller_fn_scope, options)
+
+    api.converted_call = converted_call  # before the first conversion copies api's namespace
+    atexit.register(lambda: open(f"{path}.{os.getpid()}", "w").write("\n".join(sorted(seen))))
+
+
+if os.environ.get("TFPAR_CALLS_FILE"):
+    _record_traced_calls(os.environ["TFPAR_CALLS_FILE"])
+
 # Files whose every test is slow, then single tests (node ids without parameters).
 SLOW_FILES = (
     "tests/faults/test_kill_and_restart.py",   # two-worker jobs killed and restarted

@@ -104,3 +104,32 @@ def test_every_documented_command_parses(tmp_path):
     failed = [f"{doc}: {' '.join(words)}\n  -> {(d.stdout + d.stderr).strip().splitlines()[-1:]}"
               for (doc, words), d in zip(found, done) if d.returncode != 0]
     assert not failed, "\n".join(failed)
+
+
+def anchors(path: Path) -> set[str]:
+    """GitHub's anchors for a markdown file's headings (lowercase, punctuation dropped,
+    spaces to hyphens, repeated ones numbered)."""
+    seen: dict[str, int] = {}
+    found = set()
+    for heading in re.findall(r"^#+\s+(.*)$", path.read_text(encoding="utf-8"), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        found.add(slug if count == 0 else f"{slug}-{count}")
+    return found
+
+
+def test_every_relative_link_and_anchor_resolves():
+    broken = []
+    for path in DOCS:
+        text = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"^[a-z]+:", target):
+                continue  # http(s):, mailto:
+            file_part, _, anchor = target.partition("#")
+            linked = (path.parent / file_part).resolve() if file_part else path
+            if not linked.exists():
+                broken.append(f"{path.relative_to(REPO)}: {target} (no such file)")
+            elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
+                broken.append(f"{path.relative_to(REPO)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
