@@ -44,6 +44,8 @@ def reduce_and_clip(clip_norm: float, dense: Sequence[tf.Tensor], local: Sequenc
     `clip_norm`: the sums and `local` as they are."""
     if not clip_norm:
         return list(all_reduce(list(dense))), list(local)
+    if not local:  # every mean known (e.g. a warm-up): exact, and no float added to the wire
+        return clip_exactly(clip_norm, all_reduce(list(dense))), []
     reduced = all_reduce([*dense, tf.reshape(_squared(local) / replicas, [1])])
     sums, mean_square = list(reduced[:-1]), reduced[-1][0]
     scale = factor(clip_norm, tf.sqrt(_squared(sums) + mean_square))
