@@ -96,7 +96,7 @@ import numpy as np  # noqa: E402
 from tfpar import placement  # noqa: E402
 from tfpar.models import GPT  # noqa: E402
 from tfpar.models.chain import Chain  # noqa: E402
-from tfpar.placement import costs, schedules, timeline  # noqa: E402
+from tfpar.placement import costs, timeline  # noqa: E402
 
 VOCAB = 256
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
@@ -276,7 +276,8 @@ def plot(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The command line (see --help)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/schedules")
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
@@ -305,20 +306,28 @@ def main() -> None:
     if too_many:
         parser.error(f"--stages={args.stages}: {too_many} more than the {len(DEVICES)} logical {KIND}s "
                      "here (a GPU is split in 2: use --stages=2)")
-    os.makedirs(args.out, exist_ok=True)
+    return args
+
+
+def workload(args: argparse.Namespace) -> tuple:
+    """(model, stage costs, one global batch, a description) for --model."""
     rng = np.random.RandomState(0)
     if args.model == "wait":
         model, cost = wait_model(args.unit_ms)
         batch = (tf.constant(rng.normal(size=(args.batch, 8)).astype("float32")),
                  tf.constant(rng.randint(0, 8, size=args.batch).astype("int32")))
-        described = (f"{WAIT_LAYERS} Wait layers after a Dense: forward, B and W each wait {args.unit_ms:g} ms "
-                     "per layer, one wait at a time per device (no arithmetic)")
-    else:
-        model = gpt(args.dim, args.depth, args.seq)
-        tokens = rng.randint(0, VOCAB, size=(args.batch, args.seq + 1)).astype("int32")
-        batch = (tf.constant(tokens[:, :-1]), tf.constant(tokens[:, 1:]))
-        cost = costs.flops(model, batch[0][:8]) if args.cost == "flops" else costs.seconds(model, batch[0][:16])
-        described = f"GPT depth {args.depth}, dim {args.dim}, 4 heads, vocab 256"
+        return model, cost, batch, (f"{WAIT_LAYERS} Wait layers after a Dense: forward, B and W each wait "
+                                    f"{args.unit_ms:g} ms per layer, one wait at a time per device (no arithmetic)")
+    model = gpt(args.dim, args.depth, args.seq)
+    tokens = rng.randint(0, VOCAB, size=(args.batch, args.seq + 1)).astype("int32")
+    batch = (tf.constant(tokens[:, :-1]), tf.constant(tokens[:, 1:]))
+    cost = costs.flops(model, batch[0][:8]) if args.cost == "flops" else costs.seconds(model, batch[0][:16])
+    return model, cost, batch, f"GPT depth {args.depth}, dim {args.dim}, 4 heads, vocab 256"
+
+
+def timed_settings(args: argparse.Namespace, model, cost, batch) -> list[Setting]:
+    """Every schedule x stages x micro-batches setting (with the profiled schedules' twins
+    ordered for measured unit times), traced and warmed, then timed side by side."""
     settings = [Setting(model, cost, batch, schedule, stages, m)
                 for stages in map(int, args.stages.split(",")) for m in map(int, args.micro_batches.split(","))
                 for schedule in args.schedules.split(",")
@@ -339,12 +348,20 @@ def main() -> None:
         for setting in settings:
             setting.run(args.steps)
         print(f"round {round_}: " + ", ".join(f"{s.name} {s.times[-1] * 1000:.0f} ms" for s in settings), flush=True)
-    rows = [s.row(args.out) for s in settings]
+    return settings
+
+
+def print_rows(rows: list[dict]) -> None:
     for r in rows:
         print(f"{r['schedule']:>11} S={r['stages']} M={r['micro_batches']}: {r['step_ms']:7.1f} ms/step, bubble "
               f"{r['bubble']:.3f} (theory {r['bubble_theory']:.3f}, replayed {r['bubble_simulated']:.3f}), "
               f"peak activations {r['activation_peak_bytes'] / 2**20:.1f} MiB, units alone faster by "
               + ", ".join(f"{k} {v:.2f}x" for k, v in r["alone_speedup"].items()), flush=True)
+
+
+def draw(args: argparse.Namespace, settings: list[Setting], rows: list[dict]) -> None:
+    """The animated timeline of one stages x micro-batches cell (S=2, M=8 where run) and
+    the step-time plot."""
     shown_s, shown_m = rows[0]["stages"], max(r["micro_batches"] for r in rows if r["stages"] == rows[0]["stages"])
     if any(r["stages"] == 2 and r["micro_batches"] == 8 for r in rows):
         shown_s, shown_m = 2, 8
@@ -355,6 +372,16 @@ def main() -> None:
                      + f" on {shown_s} logical {KIND}s, M={shown_m}, measured",
                      theories={s.label: s.pipe.bubble_theory() for s in shown})
     plot(rows, os.path.join(args.out, "placement.png"))
+
+
+def main() -> None:
+    args = parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    model, cost, batch, described = workload(args)
+    settings = timed_settings(args, model, cost, batch)
+    rows = [s.row(args.out) for s in settings]
+    print_rows(rows)
+    draw(args, settings, rows)
     result = {"model": described, "seq_len": args.seq, "global_batch": args.batch,
               "balanced_by": args.cost if args.model == "gpt" else "layer count (equal waits)",
               "step": "forward + backward (no optimizer update)",
