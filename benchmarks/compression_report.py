@@ -247,12 +247,12 @@ TABLES = {
     # history: measured before the compressors took the user's optimizer
     "survey_300": survey_300,
     "spectrum": spectrum,
-    "issue13": lambda: table(["bytes", "ratio", "run_ratio"] + TTQ, [
-        ("100 Mbit/s: none", Ref("issue13.json", "none", "100mbit_w2")),
+    "time_to_quality": lambda: table(["bytes", "ratio", "run_ratio"] + TTQ, [
+        ("100 Mbit/s: none", Ref("time_to_quality.json", "none", "100mbit_w2")),
         ("100 Mbit/s: powersgd(4)+fp16start120+16-8-4",
-         Ref("issue13.json", "powersgd(4)+fp16start120+16-8-4", "100mbit_w2")),
-        ("1 Gbit/s: none", Ref("issue13.json", "none", "1gbit_w2")),
-        ("1 Gbit/s: auto (picked fp16)", Ref("issue13.json", "auto", "1gbit_w2"))]),
+         Ref("time_to_quality.json", "powersgd(4)+fp16start120+16-8-4", "100mbit_w2")),
+        ("1 Gbit/s: none", Ref("time_to_quality.json", "none", "1gbit_w2")),
+        ("1 Gbit/s: auto (picked fp16)", Ref("time_to_quality.json", "auto", "1gbit_w2"))]),
     "bytes_w4": lambda: table(["bytes", "link", "step"], [
         (f"{c}, {w} workers", Ref("wide_w4_timed.json", c, f"loopback_w{w}"))
         for c in ["none", "onebit_adam", "powersgd(4)+fp16start120+16-8-4", "dgc(0.001)"] for w in (2, 4)]),

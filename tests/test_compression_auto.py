@@ -174,7 +174,7 @@ def test_auto_measures_at_build_becomes_its_choice_and_says_why(capsys):
     assert said.count("compression=auto picked fp16: link 10 s") == 1, said
     assert isinstance(slow.chosen.compressor, C.FP16) and slow.boundaries() == ()
     assert "powersgd left out: needs 1.17x the steps, the run has 1x" in slow.decision
-    assert "issue13.json" in slow.decision and "dgc left out: never reached none's loss" in slow.decision
+    assert "time_to_quality.json" in slow.decision and "dgc left out: never reached none's loss" in slow.decision
     assert "onebit_adam left out: needs Adam or AdamW" in slow.decision
     dataset = strategy.experimental_distribute_dataset(mlp_data(steps=2))
     trainer.fit(dataset, steps=2)

@@ -79,7 +79,7 @@ def test_gradients_cross_the_wire_once(fit_reference, monkeypatch):
 
 
 def test_the_callers_optimizer_still_clips_and_synchronises_after_the_trainer(fit_reference):
-    """Issue 14: the Trainer turns Keras's all-reduce and clip off only while it traces."""
+    """The Trainer turns Keras's all-reduce and clip off only while it traces."""
     weights = fit_reference[0]
     strategy = mirrored(2)
 

@@ -1,4 +1,4 @@
-"""One worker of the two-process test of issue 13's compressors: dgc, powersgd with an
+"""One worker of the two-process test of the stateful compressors: dgc, powersgd with an
 uncompressed start and a rank schedule, 1-bit Adam (exchanging every step, and every 2nd) and DGC on Adam under multi_worker_mirrored,
 through TensorFlow's own cross-process collectives (all-to-all included).
 

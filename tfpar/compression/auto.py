@@ -12,11 +12,11 @@ rest was measured (benchmarks/results/, gpt_wide, 2 workers, AdamW, one run each
 benchmarks/results/compression/README.md):
 
 - none: factor 1, overhead 0, any optimizer: the reference.
-- fp16: factor 1.0, overhead 0.47, any optimizer. issue13.json, 1gbit_w2 (auto picked
+- fp16: factor 1.0, overhead 0.47, any optimizer. time_to_quality.json, 1gbit_w2 (auto picked
   fp16): 2.0264 at step 600 against none's 2.0272 (its rounding cost no steps); a step of
   233.0 ms against 60.2 ms of compute + none's all-reduce 278.8 ms / 1.93 (the casts).
 - powersgd, ranks 16, 8 from 1/4 and 4 from 7/12 of the steps after a fp16 start of 1/5,
-  embeddings too: factor 7/6, overhead 1.18, any optimizer. issue13.json, 100mbit_w2,
+  embeddings too: factor 7/6, overhead 1.18, any optimizer. time_to_quality.json, 100mbit_w2,
   powersgd(4)+fp16start120+16-8-4: none's 2.0272 at step 700 (none: 600); 167.0 ms
   against 63.8 + 1,452 / 51.5 ms. (wide_100m_longer.json's 60-step start, ranks 8 then 4:
   step 800, 4/3.)
@@ -125,8 +125,8 @@ class Candidate:
 # Append only: a checkpoint holds the index of its decision.
 CANDIDATES = (
     Candidate("none", 1.0, 0.0, "any", "the reference", lambda steps: Compression(NoCompression())),
-    Candidate("fp16", 1.0, 0.47, "any", "issue13.json", lambda steps: Compression(FP16())),
-    Candidate("powersgd", 7 / 6, 1.18, "any", "issue13.json", _powersgd),
+    Candidate("fp16", 1.0, 0.47, "any", "time_to_quality.json", lambda steps: Compression(FP16())),
+    Candidate("powersgd", 7 / 6, 1.18, "any", "time_to_quality.json", _powersgd),
     Candidate("onebit_adam", 13 / 12, 0.95, "adam", "wide_100m_onebit_every2.json", _onebit_adam),
     Candidate("dgc_adam", 1.0, 1.54, "adam", "wide_100m_dgc_adam.json", _dgc_adam),
     Candidate("dgc", math.inf, 0.09, "momentum_sgd", "compression/tiny_600_dgc.json", _dgc),
