@@ -130,3 +130,14 @@ def test_a_sequential_model_is_placed_and_pipelined_by_layer():
 def test_a_model_with_branches_is_refused_for_placement_by_name():
     with pytest.raises(NotAChainError, match="the model branches \\(e.g. a residual connection\\)"):
         Chain.from_keras(transformer())
+
+
+def test_a_chain_round_trips_through_keras_serialization(tmp_path):
+    """A Chain saved as .keras loads as the same chain: layers, stages and outputs."""
+    model = Chain.from_keras(cnn())
+    x = images()[0][:4]
+    path = str(tmp_path / "chain.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path, custom_objects={"Chain": Chain})
+    assert [name for name, _ in loaded.stages()] == [name for name, _ in model.stages()]
+    np.testing.assert_allclose(loaded(x), model(x), rtol=1e-6)

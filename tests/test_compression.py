@@ -268,6 +268,26 @@ def test_warmup_steps_go_uncompressed(mlp_weights):
     assert trainer.step == 8
 
 
+def test_the_plan_table_and_link_bytes_match_what_the_step_sends(mlp_weights):
+    """Compression.describe: per variable its float32 bytes and the bytes it sends (a sum
+    of the analytic sizes); a warm-up all-reduce on 2 replicas carries 2(R-1)/R = 1x its
+    payload per link, counted from the traced step and from the analytic size alike."""
+    strategy = mirrored(2)
+    dataset = strategy.experimental_distribute_dataset(mlp_data(steps=2))
+    compression = C.Compression(C.TopK(0.1), C.Policy(warmup_steps=1, min_size=0))
+    model, trainer = trainer_for(strategy, mlp, mlp_weights, compression)
+    variables = model.trainable_variables
+    rows = compression.describe(variables)
+    assert [r[2] for r in rows] == [4 * int(v.shape.num_elements()) for v in variables]
+    assert {name for _, name, _, _ in rows} == {"topk(0.1)", "none"}, rows  # norms and biases skipped
+    assert all((sent < fp32) == (name != "none") for _, name, fp32, sent in rows), rows
+    sent = compression.payload_bytes(variables)
+    assert sum(r[3] for r in rows) == sum(b for path, b in sent.items() if not path.startswith("("))
+    warm = trainer.traced_step(dataset, "warmup")
+    assert accounting.link_bytes_per_worker(warm, 2, checks=False) == \
+        accounting.analytic_link_bytes({"reduce": 4 * model.count_params()}, 2) == 4 * model.count_params()
+
+
 def test_bad_options_are_refused_clearly():
     with pytest.raises(C.CompressionError, match="Unknown compressor 'zip'; choose one of none, fp16"):
         C.get("zip")

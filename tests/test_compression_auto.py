@@ -181,6 +181,7 @@ def test_auto_measures_at_build_becomes_its_choice_and_says_why(capsys):
     counted = C.accounting.bytes_per_replica(trainer.traced_step(dataset, "compressed"),
                                              in_loops_only=True, checks=False)
     assert counted == sum(slow.payload_bytes(trainer.model.trainable_variables).values())
+    assert slow.describe(trainer.model.trainable_variables) == slow.chosen.describe(trainer.model.trainable_variables)
     assert C.from_config("auto", auto_total_steps=100).total_steps == 100
 
 

@@ -189,3 +189,16 @@ def test_two_workers_checkpoint_and_restore_their_own_state(tmp_path):
     for worker in (0, 1):
         assert (f"[worker:{worker}] CKPT worker={worker} step=3 rows=[2] own_row=True rows_differ=True "
                 "restored=True") in result.stdout, result.stdout[-4000:]
+
+
+def test_gathered_rows_are_every_replicas_value_in_replica_order():
+    """The gather a checkpoint runs across workers, here on one worker's 2 replicas: it
+    equals the rows this worker stacks itself, replica by replica."""
+    strategy = mirrored(2)
+    with strategy.scope():
+        variable = replica_state.per_replica(tf.zeros([3]), "gathered_probe", replica_state.SUM)
+    strategy.run(lambda: variable.assign(
+        tf.fill([3], tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32) + 1)))
+    rows = replica_state.gathered(variable)()
+    np.testing.assert_array_equal(rows, replica_state.stacked(variable))
+    np.testing.assert_array_equal(rows, [[1, 1, 1], [2, 2, 2]])

@@ -55,6 +55,8 @@ def test_a_warmup_in_fp16_is_adam_on_fp16_sums_at_half_the_bytes(weights):
     warm = accounting.bytes_per_replica(trainer.traced_step(dataset, "warmup"), in_loops_only=True, checks=False)
     variables = trainer.model.trainable_variables
     assert warm == sum(onebit.payload_bytes(variables, "warmup").values()) == 2 * trainer.model.count_params()
+    assert onebit.describe(variables) == [  # its plan table: one row for every tensor
+        ("(all)", repr(onebit), 4 * trainer.model.count_params(), sum(onebit.payload_bytes(variables).values()))]
     assert repr(onebit) == "onebit_adam(freeze=4, fp16 start)"
     with pytest.raises(C.CompressionError, match="warmup_compressor 'sign' is not one of none, fp16, bf16"):
         C.OneBitAdam(warmup_compressor="sign")

@@ -103,3 +103,25 @@ def test_a_nonfinite_loss_stops_before_the_checkpoint():
     with pytest.raises(NonFiniteError, match="Step 20 .or one of the 9 steps before it.: the loss is nan"):
         controller.run(lambda n: next(losses))
     assert checkpoints.saved == []
+
+
+def test_settle_steps_are_the_checkpoint_and_evaluation_steps_ahead():
+    """What an asynchronous runner drains at: every step a checkpoint or an evaluation reads
+    before the end (the end drains anyway)."""
+    controller = Controller(total_steps=50, steps_per_loop=5, start_step=10, checkpoints=FakeCheckpoints(),
+                            say=lambda message: None, checkpoint_every=20, eval_every=15)
+    assert controller.settle_steps() == {15, 20, 30, 40, 45}
+
+
+
+def test_the_preemption_flag_is_agreed_across_replicas():
+    """One all-reduce of the flag: a signal seen by one process stops every replica (here 2
+    replicas of one process; the two-worker runs are in tests/faults)."""
+    import tensorflow as tf
+
+    from tfpar.preemption import PreemptionWatch
+
+    watch = PreemptionWatch(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]), signals=())
+    assert watch.agreed() is False
+    watch.signalled = True
+    assert watch.agreed() is True

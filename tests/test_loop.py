@@ -211,3 +211,13 @@ def test_trainer_evaluate_is_exact_on_any_replica_count(fit_reference):
 def test_bad_options_are_refused(fit_reference):
     with pytest.raises(tfpar.TfparError, match="must be >= 1"):
         make_trainer(mirrored(2), fit_reference[0], accumulate=0)
+
+
+def test_the_aggregator_contract_defaults_and_no_reduce():
+    """An aggregator checkpoints nothing unless it says so; NoReduce (each parameter-server
+    worker applies its own gradients) hands the gradients back untouched."""
+    from tfpar.loop.aggregation import AllReduce, NoReduce
+
+    gradients, variables = [tf.constant([1.0, -2.0])], [tf.Variable([0.0, 0.0])]
+    assert AllReduce().checkpoint_items() == {} == NoReduce().checkpoint_items()
+    assert NoReduce()(gradients, variables)[0] is gradients[0]

@@ -215,6 +215,8 @@ def test_a_hybrid_plan_needs_its_own_strategy():
     with pytest.raises(placement.PlacementError, match="multiple of 2 devices"):
         placement.balanced(model, DEVICES[:2]).replicate(DEVICES[:3])
     pipe = placement.Pipeline(model, plan, micro_batches=2)
+    # its order replayed at equal unit times has the schedule's theoretical bubble
+    assert pipe.bubble_replayed({"F": 1.0, "B": 1.0, "W": 1.0}) == pytest.approx(pipe.bubble_theory())
     with pytest.raises(Exception, match="own strategy"):
         Trainer(model, keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(),
                 placement=pipe)

@@ -41,6 +41,8 @@ def test_label_smoothing_matches_the_dense_formula():
     np.testing.assert_allclose(float(smoothed), expected, rtol=1e-6)
     plain = recipes.SmoothedSparseCrossentropy(0.0)(labels, logits)
     np.testing.assert_allclose(float(plain), -tf.nn.log_softmax(logits)[0, 0].numpy(), rtol=1e-6)
+    copy = recipes.SmoothedSparseCrossentropy.from_config(recipes.SmoothedSparseCrossentropy(0.1).get_config())
+    np.testing.assert_allclose(float(copy(labels, logits)), float(smoothed), rtol=1e-6)  # a saved model's loss
 
 
 def test_image_augmentation_crops_and_flips():

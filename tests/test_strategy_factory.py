@@ -185,3 +185,15 @@ def test_keras_imported_with_another_backend_is_refused_by_name(monkeypatch):
     with pytest.raises(keras_backend.KerasBackendError, match="set to 'jax'.*restart"):
         tfpar.create_strategy("default")
     assert isinstance(keras_backend.KerasBackendError("x"), (tfpar.TfparError, ImportError))
+
+
+def test_runtime_started_is_false_until_the_first_op():
+    """What create_strategy reads before configuring devices (a fresh Python: the tests'
+    own process started TensorFlow at import)."""
+    import subprocess
+    import sys
+
+    code = ("from tfpar.strategy import private_api; import tensorflow as tf; before = private_api.runtime_started(); "
+            "tf.constant(1.0); print(before, private_api.runtime_started())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["False", "True"], done.stderr[-2000:]

@@ -58,6 +58,7 @@ class Chain(StagedModel):
         super().__init__(config=None, **kwargs)
         self.chain = list(layers)  # tracked by Keras
         self._stage_list = [Stage(layer.name, layer) for layer in self.chain]
+        self._chain_input_shape = tuple(input_shape)
         self.build(tuple(input_shape))
 
     @classmethod
@@ -67,5 +68,13 @@ class Chain(StagedModel):
         return cls(layers, model.inputs[0].shape, name=name or f"{model.name}_chain")
 
     def get_config(self):
-        return {"name": self.name, "layers": [keras.saving.serialize_keras_object(layer)
-                                              for layer in self.chain]}
+        return {"name": self.name, "input_shape": list(self._chain_input_shape),
+                "layers": [keras.saving.serialize_keras_object(layer) for layer in self.chain]}
+
+    @classmethod
+    def from_config(cls, config):
+        """The chain again from get_config (fresh weights): Keras serialization round-trips."""
+        # unbuilt: the chain builds each layer itself (under a placement scope, on its device)
+        layers = [keras.saving.deserialize_keras_object({k: v for k, v in layer.items() if k != "build_config"})
+                  for layer in config["layers"]]
+        return cls(layers, tuple(config["input_shape"]), name=config["name"])
