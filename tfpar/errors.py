@@ -75,5 +75,10 @@ class CheckpointDamagedError(TfparError, RuntimeError):
     """Every checkpoint in the workdir is damaged (missing or truncated files, bad checksums)."""
 
 
+class ShardingError(TfparError, ValueError):
+    """A sharded update (ZeRO: Trainer(shard=...)) that cannot work with this optimizer,
+    variable, strategy or option; the message names the fix."""
+
+
 class WorkdirError(TfparError, OSError):
     """The workdir cannot take what the run writes (read-only, full)."""

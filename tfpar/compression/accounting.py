@@ -26,7 +26,7 @@ from tfpar.strategy import private_api
 
 COLLECTIVE_TYPES = ("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveReduce",
                     "CollectiveGather", "CollectiveBcastSendV2", "NcclAllReduce",
-                    "CollectiveAllToAllV2")
+                    "CollectiveAllToAllV2", "CollectiveReduceScatterV2")
 # TPUStrategy's collectives (tpu_ops): all_reduce is CrossReplicaSum; all_gather is a
 # CrossReplicaSum of value x one-hot replica mask, so its input, R x the payload, is what
 # one replica hands over; dtypes CrossReplicaSum lacks gather through AllToAll of the value
@@ -41,7 +41,8 @@ CHECK_SCOPE = "tfpar_finite_check"
 # Bytes a worker transmits per byte it hands to the collective, on a ring / pairwise
 # exchange of R workers: what a link carries, unlike the handed bytes for a gather.
 LINK_FACTORS = {"reduce": lambda r: 2 * (r - 1) / r, "gather": lambda r: r - 1.0,
-                "all_to_all": lambda r: (r - 1) / r, "bcast": lambda r: 1.0}
+                "all_to_all": lambda r: (r - 1) / r, "reduce_scatter": lambda r: (r - 1) / r,
+                "bcast": lambda r: 1.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +81,11 @@ def _describe(op) -> Collective:
     return Collective(op.type, op.name, op.device, tensor.dtype.name, shape, size)
 
 
+def graphs(concrete_function) -> list:
+    """The graph of a traced function and of every function it calls, each once."""
+    return list(_all_graphs(concrete_function.graph).values())
+
+
 def _all_graphs(top) -> dict:
     """Function name -> graph for every function reachable from `top` (itself as '')."""
     found = {"": top}
@@ -116,6 +122,8 @@ def _period(op_name: str) -> int | None:
 def _kind(op_type: str) -> str:
     if "AllToAll" in op_type:
         return "all_to_all"
+    if "ReduceScatter" in op_type:
+        return "reduce_scatter"
     if "Gather" in op_type:
         return "gather"
     return "bcast" if "Bcast" in op_type else "reduce"
@@ -190,6 +198,11 @@ def dynamic(found: list[Collective]) -> list[Collective]:
 def _counted(op, checks: bool) -> bool:
     """A collective op, and not the finiteness check unless `checks`."""
     return op.type in COLLECTIVE_TYPES and (checks or not _in_scope(op.name, CHECK_SCOPE))
+
+
+def in_scope(op_name: str, scope: str) -> bool:
+    """Whether op `op_name` was made under name scope `scope` (or `scope_N`)."""
+    return _in_scope(op_name, scope)
 
 
 def _in_scope(op_name: str, scope: str) -> bool:

@@ -73,6 +73,11 @@ def _components(variable: tf.Variable) -> tuple[list[int], list[tf.Variable]]:
     return ids, list(variable.values)
 
 
+def components(variable: tf.Variable) -> tuple[list[int], list[tf.Variable]]:
+    """(global replica ids, this worker's copies of `variable` in the same order)."""
+    return _components(variable)
+
+
 def stacked(variable: tf.Variable) -> tf.Tensor:
     """Every replica's value, [R, ...] in global replica order, where this worker holds
     every replica (see `gathered` for the others).

@@ -48,15 +48,45 @@ def choose_shard(source: Source, context: tf.distribute.InputContext) -> Shard:
     return Shard(num=num, index=index, by_file=by_file)
 
 
+def same_batch_for_groups(dataset: tf.data.Dataset, group: int) -> tf.data.Dataset:
+    """Each element `group` times in a row: the local replicas take consecutive elements,
+    so the `group` replicas of a tensor-parallel group all get the same batch."""
+    if group == 1:
+        return dataset
+    return dataset.flat_map(lambda *batch: tf.data.Dataset.from_tensors(batch).repeat(group))
+
+
+def group_inputs(strategy: tf.distribute.Strategy, context: tf.distribute.InputContext,
+                 tensor_parallel: int) -> tuple[tf.distribute.InputContext, int, int]:
+    """(the input context of the tensor-parallel groups, distinct batches this pipeline
+    makes per step, how many replicas here take each): a group of T replicas sees one batch.
+    When a group spans input pipelines (workers with fewer than T replicas each), those
+    pipelines read the same shard.
+
+    Example:
+        >>> group_inputs(strategy, context, 2)   # 2 workers of 1 replica: one shard, (ctx, 1, 1)
+    """
+    local = strategy.num_replicas_in_sync // context.num_input_pipelines
+    if tensor_parallel <= local:
+        return context, local // tensor_parallel, tensor_parallel
+    span = tensor_parallel // local  # input pipelines per group
+    grouped = tf.distribute.InputContext(context.num_input_pipelines // span, context.input_pipeline_id // span,
+                                         strategy.num_replicas_in_sync)
+    return grouped, 1, local
+
+
 def distribute_train(
     strategy: tf.distribute.Strategy,
     source: Source,
     global_batch: int,
     start_step: int = 0,
     augment: Optional[Callable] = None,
+    tensor_parallel: int = 1,
 ):
-    """An endless, distributed training dataset that starts at `start_step`."""
-    per_replica = per_replica_batch_size(global_batch, strategy.num_replicas_in_sync)
+    """An endless, distributed training dataset that starts at `start_step`. With
+    `tensor_parallel` = T, the global batch is split over the replicas / T tensor-parallel
+    groups and every replica of a group gets its group's batch."""
+    per_replica = per_replica_batch_size(global_batch, strategy.num_replicas_in_sync // tensor_parallel)
     if source.num_examples is not None and source.num_examples < global_batch:
         raise DataError(
             f"{source.name} has {source.num_examples} training examples, fewer than one global "
@@ -64,14 +94,14 @@ def distribute_train(
             f"--config.train.batch_size (at most {source.num_examples}) or give more data.")
 
     def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
+        context, groups_here, repeats = group_inputs(strategy, context, tensor_parallel)
         dataset = source.build(choose_shard(source, context), training=True)
         if augment is not None:
             dataset = dataset.map(augment, num_parallel_calls=tf.data.AUTOTUNE)
         dataset = dataset.batch(per_replica, drop_remainder=True)
-        replicas_here = strategy.num_replicas_in_sync // context.num_input_pipelines
         if start_step:
-            dataset = dataset.skip(start_step * replicas_here)
-        return dataset.prefetch(tf.data.AUTOTUNE)
+            dataset = dataset.skip(start_step * groups_here)
+        return same_batch_for_groups(dataset, repeats).prefetch(tf.data.AUTOTUNE)
 
     return strategy.distribute_datasets_from_function(dataset_fn)
 
@@ -114,15 +144,17 @@ def count_examples(dataset: tf.data.Dataset) -> int:
 
 
 def distribute_eval(strategy: tf.distribute.Strategy, source: Source, global_batch: int,
-                    limit: int = 0):
+                    limit: int = 0, tensor_parallel: int = 1):
     """(distributed dataset of (x, y, weight), steps): each example exactly once.
 
     The validation set is padded to a multiple of the global batch with copies of its
     first example at weight 0, batched per replica, and the batches dealt out to the
     input pipelines, so every pipeline runs the same number of steps. `limit` > 0 keeps
-    only the first `limit` validation examples (a fixed, deterministic subset).
+    only the first `limit` validation examples (a fixed, deterministic subset). With
+    `tensor_parallel` = T every replica of a tensor-parallel group gets its group's batch
+    (a sum over replicas then counts each example T times: divide by T).
     """
-    per_replica = per_replica_batch_size(global_batch, strategy.num_replicas_in_sync)
+    per_replica = per_replica_batch_size(global_batch, strategy.num_replicas_in_sync // tensor_parallel)
 
     def examples() -> tf.data.Dataset:
         dataset = source.build(training=False).map(_with_weight)
@@ -140,8 +172,9 @@ def distribute_eval(strategy: tf.distribute.Strategy, source: Source, global_bat
             filler = dataset.take(1).map(lambda x, y, w: (x, y, tf.zeros_like(w)))
             dataset = dataset.concatenate(filler.repeat(padding))
         dataset = dataset.batch(per_replica, drop_remainder=True)
+        context, _, repeats = group_inputs(strategy, context, tensor_parallel)
         if context.num_input_pipelines > 1:
             dataset = dataset.shard(context.num_input_pipelines, context.input_pipeline_id)
-        return dataset.prefetch(tf.data.AUTOTUNE)
+        return same_batch_for_groups(dataset, repeats).prefetch(tf.data.AUTOTUNE)
 
     return strategy.distribute_datasets_from_function(dataset_fn), steps

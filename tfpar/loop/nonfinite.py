@@ -44,15 +44,20 @@ class NonFiniteGuard:
             optimizer.apply(grads, variables)
             return
         finite = tf.math.is_finite(tf.linalg.global_norm(grads) if norm is None else norm)
+        self.note(finite, index)
+        if self.policy == "skip":
+            _apply_if(optimizer, finite, grads, variables)
+        else:
+            optimizer.apply(grads, variables)
+
+    def note(self, finite, index) -> None:
+        """Replica context: counts step `index` (of this call) as bad unless `finite`, a
+        flag every replica agrees on (the sharded update applies the policy itself)."""
         bad = 1.0 - tf.cast(finite, tf.float32)
         first = tf.where((self._first_bad == 0.0) & (bad > 0), tf.cast(index, tf.float32) + 1.0,
                          self._first_bad)
         self._first_bad.assign(first)
         self._bad_steps.assign_add(bad)
-        if self.policy == "skip":
-            _apply_if(optimizer, finite, grads, variables)
-        else:
-            optimizer.apply(grads, variables)
 
     def read(self):
         """Cross-replica context: (bad steps, first bad step from 1) of this call."""

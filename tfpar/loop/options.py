@@ -33,8 +33,12 @@ def unpack(batch):
 
 
 def aggregator_for(strategy, aggregator: GradientAggregator | None,
-                    compression: Compressor | Compression | None) -> GradientAggregator:
-    """The aggregator the options ask for (compression is shorthand for one)."""
+                    compression: Compressor | Compression | None, model=None) -> GradientAggregator:
+    """The aggregator the options ask for (compression is shorthand for one); a
+    tensor-parallel model's own (tfpar.loop.tensor_parallel): its split gradients must not
+    be summed across their tensor-parallel group."""
+    if model is not None and tensor_parallel_layout(model) is not None:
+        return _tensor_parallel_aggregator(model, strategy, aggregator, compression)
     if compression is not None:
         if aggregator is not None:
             raise TrainerError("Give aggregator or compression, not both.")
@@ -47,6 +51,28 @@ def aggregator_for(strategy, aggregator: GradientAggregator | None,
                 "(or gradient compression) does not apply. Use multi_worker_mirrored.")
         return NoReduce()
     return aggregator or AllReduce()
+
+
+def tensor_parallel_layout(model):
+    """The model's tensor-parallel Layout (tfpar.models.tensor_parallel), None if unsplit."""
+    from tfpar.models import tensor_parallel  # pylint: disable=import-outside-toplevel
+
+    return tensor_parallel.layout_of(model)
+
+
+def _tensor_parallel_aggregator(model, strategy, aggregator, compression) -> GradientAggregator:
+    from tfpar.loop.tensor_parallel import TensorParallelSum  # pylint: disable=import-outside-toplevel
+
+    layout = tensor_parallel_layout(model)
+    if aggregator is not None or compression is not None:
+        raise TrainerError(
+            f"A {layout.degree}-way tensor-parallel model sums its gradients over data-parallel "
+            "groups only (tfpar.loop.tensor_parallel): an aggregator or a compression would sum "
+            "its split gradients across their tensor-parallel group. Leave both out.")
+    if strategy is not layout.strategy:
+        raise TrainerError("Train a tensor-parallel model under the strategy it was built under "
+                           "(Trainer(strategy=strategy) with the strategy whose scope built it).")
+    return TensorParallelSum(layout)
 
 
 def skipped_step_state(state, skips: bool, nonfinite: str) -> SkippedStepState | None:
@@ -64,6 +90,10 @@ def check_placement(model, strategy, placement) -> None:
     cannot train: non-trainable state, a TPU plan outside TPUStrategy, parameter_server, a
     replica count that differs from the strategy's."""
     replicas = placement.plan.replicas
+    if tensor_parallel_layout(model) is not None:
+        raise TrainerError("Layer placement (a pipeline) of a tensor-parallel model is not built: "
+                           "train it without placement (tensor parallelism alone), or pipeline "
+                           "the unsplit model (tensor_parallel=1).")
     if model.non_trainable_variables:
         raise TrainerError("Layer placement needs a model without non-trainable state "
                            "(e.g. no BatchNormalization).")

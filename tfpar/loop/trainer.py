@@ -32,13 +32,13 @@ from tfpar import evaluation
 from tfpar.compression import accounting
 from tfpar.compression.compressed_aggregator import Compression
 from tfpar.compression.compressors import Compressor
-from tfpar.loop import parameter_server
+from tfpar.loop import parameter_server, sharding
 from tfpar.loop.aggregation import GradientAggregator
 from tfpar.loop.forward_backward import ForwardBackward
 from tfpar.loop.nonfinite import POLICIES as NONFINITE_POLICIES
 from tfpar.loop.nonfinite import NonFiniteGuard
 from tfpar.loop.options import (TrainerError, aggregator_for, check_placement, skipped_step_state,  # noqa: F401
-                                unpack)
+                                tensor_parallel_layout, unpack)
 from tfpar.strategy import keras_fixes, optimizer_update, private_api
 
 
@@ -88,6 +88,11 @@ class Trainer:
         and skip see NaN in any one replica's own gradients even where the compressed sum
         is finite (a held 1-bit Adam step, an unsent top-k entry): one scalar all-reduce
         a step, as DeepSpeed's overflow check.
+      shard: "none" (default), "optimizer" (ZeRO-1) or "gradients" (ZeRO-2), or a
+        tfpar.loop.sharding.ShardedUpdate: each replica keeps and updates 1/R of the
+        optimizer state (with "gradients" also 1/R of the accumulated gradients), the same
+        update as Keras's optimizer (see tfpar.loop.sharding). Its optimizer state is
+        checkpointed as `checkpoint_items()["optimizer"]`, in Keras's layout.
       xla: jit-compile forward + backward (default on). The compiled function is pure:
         it takes the variables' values as tensors (Keras `stateless_call`), which is what
         lets XLA run under MirroredStrategy too (a compiled function that captures mirrored
@@ -99,7 +104,8 @@ class Trainer:
                  steps_per_loop: int = 1, accumulate: int = 1,
                  aggregator: GradientAggregator | None = None,
                  compression: Compressor | Compression | None = None, placement=None,
-                 nonfinite: str = "stop", xla: bool | None = None, sum_sparse_rows: bool = True):
+                 nonfinite: str = "stop", xla: bool | None = None, sum_sparse_rows: bool = True,
+                 shard: str | sharding.ShardedUpdate = "none"):
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.strategy = strategy or tf.distribute.get_strategy()
         if steps_per_loop < 1 or accumulate < 1:
@@ -112,14 +118,20 @@ class Trainer:
         if loss_scaled:  # fp16: the loss scale skips by itself
             nonfinite = "ignore"
         keras_fixes.apply_and_report()  # accumulation and EMA under mirrored need fix 4
-        self.aggregator = aggregator_for(self.strategy, aggregator, compression)
+        self.aggregator = aggregator_for(self.strategy, aggregator, compression, model)
+        self._sharded = sharding.sharded_update(shard)
+        if self._sharded is not None:  # refused by name before anything is built
+            self._sharded.configure(self.strategy, optimizer, self.aggregator, placement, nonfinite)
         self.aggregator.check_optimizer(optimizer)
         is_async = parameter_server.is_parameter_server(self.strategy)
         self.placement = placement
         if placement is not None:  # before a coordinator starts: refused early
             check_placement(model, self.strategy, placement)
         self._async = parameter_server.AsyncSteps(self.strategy) if is_async else None
-        self.xla = (True if xla is None else bool(xla)) and placement is None
+        # XLA is off with a pipeline (the step spans devices) and with tensor parallelism
+        # (the layers' collectives run inside forward and backward)
+        self.xla = ((True if xla is None else bool(xla)) and placement is None
+                    and tensor_parallel_layout(model) is None)
         self.sum_sparse_rows = sum_sparse_rows
         with self.strategy.scope():
             self.aggregator.build(model.trainable_variables)
@@ -127,7 +139,10 @@ class Trainer:
             # that computes Adam's or momentum's step itself) an SGD with its learning rate
             self.optimizer = optimizer = self.aggregator.optimizer_for(optimizer)
             private_api.check_optimizer(optimizer, sharded_updates=is_async)
-            optimizer.build(model.trainable_variables)  # before any traced step
+            if self._sharded is None:
+                optimizer.build(model.trainable_variables)  # before any traced step
+            else:  # each replica's 1/R of the optimizer, in place of the whole one
+                self._sharded.build(model.trainable_variables)
             self._loss_sum = None if self._async else tf.Variable(
                 0.0, trainable=False, name="loss_sum",
                 synchronization=tf.VariableSynchronization.ON_READ,
@@ -151,11 +166,25 @@ class Trainer:
 
     def _loss_scale(self) -> tf.Tensor:
         """fp16: the dynamic loss scale (1.0 otherwise)."""
+        if self._sharded is not None:
+            return self._sharded.loss_scale()
         scale = getattr(self.optimizer, "dynamic_scale", None)
         return tf.constant(1.0) if scale is None else tf.cast(scale.value, tf.float32)
 
+    def _aggregate(self, summed, variables):
+        """The aggregator's sum; a skipped step leaves the aggregator's state as it was."""
+        if self._skipped_step_state is None:
+            return self.aggregator(summed, variables)
+        saved = self._skipped_step_state.save(summed)
+        return self._skipped_step_state.restore_if_skipped(self.aggregator(summed, variables), saved)
+
     def _replica_step(self, batches: Sequence, index=0):
         variables = self.model.trainable_variables
+        if self._sharded is not None:
+            passes = (self._forward_backward(*unpack(batch), self._loss_scale()) for batch in batches)
+            total = self._sharded.replica_step(passes, variables, index, self._guard, self._aggregate)
+            self._loss_sum.assign_add(total)
+            return total
         total, summed = None, None
         for batch in batches:
             loss, grads = self._forward_backward(*unpack(batch), self._loss_scale())
@@ -166,11 +195,7 @@ class Trainer:
         scale = self._loss_scale() if self._loss_scaled else None
         if scale is not None:  # fp16: the aggregator sees (and keeps state in) true units
             summed = [_scaled(g, 1.0 / scale) for g in summed]
-        if self._skipped_step_state is None:
-            summed = self.aggregator(summed, variables)
-        else:  # a skipped step leaves the aggregator's state as it was
-            saved = self._skipped_step_state.save(summed)
-            summed = self._skipped_step_state.restore_if_skipped(self.aggregator(summed, variables), saved)
+        summed = self._aggregate(summed, variables)
         if self.sum_sparse_rows:  # Adam & co. need a sparse gradient's rows summed first
             summed = [keras_fixes.sum_repeated_rows(g) for g in summed]
         if scale is not None:  # the LossScaleOptimizer divides by it (exactly: a power of 2)
@@ -237,8 +262,10 @@ class Trainer:
         return loss
 
     def checkpoint_items(self) -> dict:
-        """Trackables the Trainer adds to checkpoints (compression state), by name."""
-        return self.aggregator.checkpoint_items()
+        """Trackables the Trainer adds to checkpoints (compression state), by name; with
+        `shard`, also 'optimizer': the sharded optimizer state, in place of the optimizer."""
+        items = self.aggregator.checkpoint_items()
+        return items if self._sharded is None else {**items, **self._sharded.checkpoint_items()}
 
     def traced_step(self, dataset, phase=None):
         """The concrete function of one train step on `dataset` (for inspection)."""
@@ -348,7 +375,9 @@ class Trainer:
         callback_list.on_epoch_begin(0)
         self._run_chunks(iter(dataset), sizes, on_chunk, settle)
         callback_list.on_epoch_end(0, logs)
-        if sizes:  # as Keras fit ends: with use_ema the model takes the moving averages
+        if sizes and self._sharded is not None:  # as Keras fit ends: with use_ema the model
+            self._sharded.finalize(self.model.trainable_variables)  # takes the moving averages
+        elif sizes:
             self.optimizer.finalize_variable_values(self.model.trainable_variables)
         callback_list.on_train_end(logs)
         return logs
@@ -360,7 +389,9 @@ class Trainer:
         one distributed by the default strategy), the variables are read from the ps."""
         strategy = tf.distribute.get_strategy() if self._async else self.strategy
         local = not self._async and strategy.num_replicas_in_sync == 1  # XLA: variables here
-        return evaluation.evaluate(self.model, strategy, dataset, steps, xla=self.xla and local)
+        results = evaluation.evaluate(self.model, strategy, dataset, steps, xla=self.xla and local)
+        layout = tensor_parallel_layout(self.model)  # a TP group's T replicas see each example
+        return results if layout is None else {**results, "examples": results["examples"] / layout.degree}
 
     def collective_ops(self, dataset) -> list[tuple[str, str]]:
         """(type, name) of every collective op in one traced train step, nested functions

@@ -205,7 +205,14 @@ class PatchEmbedding(layers.Layer):
 
 
 def transformer_stages(config, causal: bool) -> list[Stage]:
-    """The attention and feed-forward stages of `config.depth` blocks."""
+    """The attention and feed-forward stages of `config.depth` blocks; with
+    `config.tensor_parallel` = T > 1, each split over T replicas
+    (tfpar.models.tensor_parallel)."""
+    degree = getattr(config, "tensor_parallel", 1)
+    if degree > 1:
+        from tfpar.models.tensor_parallel import parallel_transformer_stages  # pylint: disable=import-outside-toplevel
+
+        return parallel_transformer_stages(config, causal, degree)
     stages = []
     for i in range(config.depth):
         stages.append(Stage(f"blocks.{i}.attn", SelfAttentionStage(

@@ -26,11 +26,17 @@ class GPTConfig:
     mlp_ratio: int = 4
     dropout: float = 0.0
     tie_embeddings: bool = False
+    tensor_parallel: int = 1
 
 
 @keras.saving.register_keras_serializable(PACKAGE)
 class GPT(StagedModel):
-    """Decoder-only transformer LM: token+position embedding, causal pre-norm blocks, LM head."""
+    """Decoder-only transformer LM: token+position embedding, causal pre-norm blocks, LM head.
+
+    `tensor_parallel=T` splits every block over T replicas (attention by heads, the MLP by
+    its width; tfpar.models.tensor_parallel): build it under `strategy.scope()` of a
+    strategy with a multiple of T replicas and train it with tfpar.Trainer.
+    """
 
     presets = {
         "tiny": dict(dim=128, depth=2, heads=4, max_len=128),
@@ -39,8 +45,9 @@ class GPT(StagedModel):
     }
 
     def __init__(self, vocab_size=256, max_len=128, dim=128, depth=2, heads=4, mlp_ratio=4,
-                 dropout=0.0, tie_embeddings=False, name="gpt", **kwargs):
-        config = GPTConfig(vocab_size, max_len, dim, depth, heads, mlp_ratio, dropout, tie_embeddings)
+                 dropout=0.0, tie_embeddings=False, tensor_parallel=1, name="gpt", **kwargs):
+        config = GPTConfig(vocab_size, max_len, dim, depth, heads, mlp_ratio, dropout, tie_embeddings,
+                           tensor_parallel)
         super().__init__(config, name=name, **kwargs)
         self.embed = TokenEmbedding(vocab_size, max_len, dim, dropout, name="embed")
         self.blocks = transformer_stages(config, causal=True)

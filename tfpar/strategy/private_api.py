@@ -31,6 +31,27 @@ Touches:
   `_handle_deferred_dependencies` (TensorFlow's documented way to shape what a checkpoint
   holds; no public one): compression state is checkpointed replica by replica
   (`tfpar.compression.replica_state`, `Compression`).
+- `CollectiveReplicaLauncher._all_gather`, `_next_instance_key`, `_get_ordering_token`,
+  `_device`, `_options` and `gen_collective_ops.collective_reduce_scatter_v2` (TensorFlow):
+  the sharded update (tfpar.loop.sharding) gathers equal-sized shards without the shape
+  exchange `all_gather` adds, and reduce-scatters with NCCL on GPUs, keyed and ordered like
+  the strategy's own collectives (`launcher_all_gather_same_shape`,
+  `launcher_reduce_scatter`).
+- `DistributedVariable._get_on_device_or_primary` (TensorFlow): the copy of a mirrored
+  variable on this replica's device. The sharded update writes the all-gathered weights,
+  identical on every replica, into each replica's own copy from the replica context (inside
+  a `tf.cond` where a merge_call cannot go): `local_component`.
+- `cross_device_utils.CollectiveKeys` and `CollectiveReplicaLauncher` (TensorFlow): a
+  strategy has one collective group (all its replicas); tensor parallelism needs groups of
+  some of them (a tensor-parallel group, a data-parallel group). TensorFlow's own launcher
+  over a device subset, with its own group keys, issues the same CollectiveReduceV2 and
+  CollectiveGatherV2 (instance keys assigned at call time, an ordering token per device):
+  `group_launchers` (tfpar.models.tensor_parallel). The strategy's communication options
+  (`extended._communication_options`: the collective timeout) go with them.
+- A MirroredVariable's `_serialize_to_tensors` / `_restore_from_tensors`, set on the
+  instance (TensorFlow's checkpoint hooks; `trackable_has_serialize_to_tensor` reads the
+  instance first): a tensor-parallel shard, whose copies differ on purpose, is checkpointed
+  as its whole (unsplit) value and restored split (`set_checkpoint_hooks`).
 - `tensorflow.python.training.saving.saveable_object.SaveSpec` with a callable: what a
   `_serialize_to_tensors` returns so that a value is computed only when a checkpoint is
   written (a restore builds the same specs and must not run a collective): `save_spec`.
@@ -245,6 +266,52 @@ def launcher_all_gather(launcher, tensor):
     return launcher.all_gather(tensor, 0)
 
 
+def launcher_all_gather_same_shape(launcher, tensor):
+    """CollectiveGatherV2 along axis 0 of a tensor with the same static shape on every
+    replica: the launcher's own gather without the shape exchange and padding of its public
+    `all_gather` (one collective, not two); callable inside a tf.cond branch."""
+    return launcher._all_gather(tensor, None)  # pylint: disable=protected-access
+
+
+def launcher_all_reduce(launcher, tensor):
+    """The launcher's SUM all-reduce (CollectiveReduceV2): callable inside a tf.cond branch."""
+    return launcher.all_reduce(tensor)
+
+
+def launcher_uses_nccl(launcher) -> bool:
+    """Whether the launcher's collectives run on NCCL (GPUs)."""
+    from tensorflow.python.distribute import collective_util  # pylint: disable=import-outside-toplevel
+
+    nccl = collective_util.CommunicationImplementation.NCCL
+    return launcher._options.implementation == nccl and "GPU" in launcher._device.upper()  # pylint: disable=protected-access
+
+
+def launcher_reduce_scatter(launcher, tensor):
+    """CollectiveReduceScatterV2 (SUM) of a flat tensor of R x C elements: this replica gets
+    the sum of chunk `rank` ([C]). TensorFlow registers it for NCCL only (on CPU: "did not
+    find collective implementation undef"): call it where `launcher_uses_nccl`."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    from tensorflow.python.ops import gen_collective_ops  # pylint: disable=import-outside-toplevel
+
+    # pylint: disable=protected-access
+    token = launcher._get_ordering_token()
+    with tf.device(launcher._device):
+        return gen_collective_ops.collective_reduce_scatter_v2(
+            tensor, group_size=launcher._group_size, group_key=launcher._group_key,
+            instance_key=launcher._next_instance_key(), ordering_token=[token] if token is not None else [],
+            merge_op="Add", final_op="Id", communication_hint="nccl",
+            timeout_seconds=launcher._options.timeout_seconds or 0)
+
+
+def local_component(variable):
+    """This replica's own copy of a mirrored variable (replica context), to assign directly;
+    the variable itself where it has one copy."""
+    if isinstance(variable, keras.Variable):
+        variable = variable.value  # its tf.Variable
+    own = getattr(variable, "_get_on_device_or_primary", None)
+    return variable if own is None else own()
+
+
 def learning_rate_of(optimizer):
     """The optimizer's learning rate as it was given: a float or its schedule object
     (`optimizer.learning_rate` is the current value only)."""
@@ -263,7 +330,8 @@ def copy_weight_decay_exclusions(source, target) -> None:
 
 __all__ = ["KerasFixError", "add_control_input", "copy_weight_decay_exclusions", "learning_rate_of",
            "optimizer_attribute", "replace_all_reduce", "collective_launcher", "launcher_all_to_all",
-           "launcher_all_gather", "base_optimizer", "check_optimizer", "collective_key_base",
+           "launcher_all_gather", "launcher_all_gather_same_shape", "launcher_all_reduce",
+           "launcher_reduce_scatter", "launcher_uses_nccl", "local_component", "base_optimizer", "check_optimizer", "collective_key_base",
            "function_library", "inbound_nodes", "is_loss_scaled", "is_sharded",
            "optimizer_class", "optimizers_of", "runtime_started", "trainer_module",
            "trainer_step"]
@@ -276,3 +344,42 @@ def save_spec(make: Callable[[], "tf.Tensor"], dtype: "tf.DType", device: str):
 
     return saveable_object.SaveSpec(make, "", "", dtype=dtype, device=device)
 
+
+
+# -- tensor parallelism: collectives over groups of a strategy's replicas ------------
+
+_GROUP_KEYS = []  # one CollectiveKeys for every tensor-parallel group in this process
+
+
+def group_launchers(groups, local_devices, strategy=None) -> list[dict]:
+    """One TensorFlow CollectiveReplicaLauncher per local member of each group.
+
+    `groups`: lists of device names in rank order, every group of the run (also those with
+    no member here: every worker numbers the groups alike, so their keys agree);
+    `local_devices`: this worker's devices. Returns, per group, {local device: launcher}.
+
+    Example:
+        >>> tp, = group_launchers([["/cpu:0", "/cpu:1"]], ["/cpu:0", "/cpu:1"])
+        >>> tp["/cpu:0"].all_reduce(x)       # in replica 0's context; replica 1 does the same
+    """
+    from tensorflow.python.distribute import collective_util, cross_device_utils  # pylint: disable=import-outside-toplevel
+
+    if not _GROUP_KEYS:  # far above the strategies' own keys (10_000 per strategy)
+        _GROUP_KEYS.append(cross_device_utils.CollectiveKeys(group_key_start=1_000_000_000))
+    keys = _GROUP_KEYS[0]
+    options = getattr(getattr(strategy, "extended", None), "_communication_options", None)
+    options = options or collective_util.Options()
+    local = set(local_devices)
+    found = []
+    for members in groups:
+        key = keys.get_group_key(list(members))
+        found.append({d: cross_device_utils.CollectiveReplicaLauncher(key, len(members), keys, d, options)
+                      for d in members if d in local})
+    return found
+
+
+def set_checkpoint_hooks(variable, serialize, restore) -> None:
+    """Makes `serialize()` / `restore(tensors)` what a checkpoint calls for this variable
+    (a tf.Variable, e.g. a MirroredVariable) instead of its class's own saving."""
+    variable._serialize_to_tensors = serialize  # pylint: disable=protected-access
+    variable._restore_from_tensors = restore  # pylint: disable=protected-access

@@ -1,0 +1,212 @@
+"""How the sharded update cuts the parameters, and the collectives that move the pieces.
+
+Every trainable variable is flattened, padded with zeros to a multiple of R (the replica
+count) and cut into R equal chunks; the replica of collective rank k owns chunk k of every
+variable. So every replica holds the same structure (one piece per variable, the same
+shapes), which is what tf.distribute needs to keep a per-replica variable, and a variable's
+pieces are contiguous runs of its own elements (a per-variable quantity such as LAMB's
+trust ratio is a sum over R pieces). The padding is at most R - 1 elements per variable.
+
+A bucket is a run of consecutive variables (one wire dtype) whose rows are sent together:
+`rows` lays a bucket's gradients out as [R, C] (row j: every variable's chunk j), the
+reduce-scatter leaves each replica the sum of its own row ([C]), and the all-gather of the
+updated pieces ([C] each) gives [R, C] back, which `unrows` turns into whole variables. A
+bucket bounds the full-size concatenation that exists at one time.
+
+Collectives (`ShardCollectives`, replica context, inside tf.function):
+
+- reduce-scatter: CollectiveReduceScatterV2 on NCCL (GPUs); elsewhere TensorFlow has no
+  implementation of it ("did not find collective implementation undef" on CPU), and an
+  all-to-all (CollectiveAllToAllV2) of the rows followed by a local sum over the R received
+  rows does the same: the same bytes on the wire, (R - 1)/R of the rows.
+- all-gather: CollectiveGatherV2 of equal-sized pieces (no shape exchange).
+- all-reduce: small vectors (norms, the finiteness flag).
+
+All are issued through the strategy's own collective launcher (its group, instance keys
+and ordering token; see tfpar.strategy.private_api), so they also run inside a `tf.cond`
+branch, where a merge_call cannot.
+
+Example:
+    >>> layout = ShardLayout(model.trainable_variables, replicas=2)
+    >>> layout.chunks           # elements each replica holds of each variable
+    >>> comm = ShardCollectives(tf.distribute.get_replica_context(), ranks)
+    >>> mine = comm.reduce_scatter(layout.rows(grads, layout.buckets[0]))   # [C]
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Sequence
+
+import tensorflow as tf
+
+from tfpar.errors import ShardingError
+from tfpar.strategy import private_api
+
+#: Bytes of one bucket's rows (R x C elements in its wire dtype): the full-size
+#: concatenation that the reduce-scatter and the all-gather hold at one time.
+BUCKET_BYTES = 32 * 2 ** 20
+
+
+class ShardLayout:
+    """Which elements of which variable each replica owns (see module docstring).
+
+    Args:
+      variables: the trainable variables, in the optimizer's order.
+      replicas: R.
+      bucket_bytes: the largest [R, C] rows of one bucket (a larger variable is a bucket alone).
+    """
+
+    def __init__(self, variables: Sequence, replicas: int, bucket_bytes: int = BUCKET_BYTES):
+        self.replicas, self.bucket_bytes = replicas, bucket_bytes
+        self.paths = [getattr(v, "path", v.name) for v in variables]
+        self.shapes = [tuple(v.shape) for v in variables]
+        self.dtypes = [tf.as_dtype(v.dtype) for v in variables]
+        self.sizes = [_size(path, shape) for path, shape in zip(self.paths, self.shapes)]
+        self.chunks = [-(-n // replicas) for n in self.sizes]
+        self.buckets = self.buckets_for(self.dtypes)
+
+    def buckets_for(self, wire_dtypes: Sequence) -> list[list[int]]:
+        """Runs of consecutive variables with one wire dtype (and one dtype), each at most
+        `bucket_bytes` of rows (a larger variable is a bucket alone)."""
+        kinds = [(tf.as_dtype(w), d) for w, d in zip(wire_dtypes, self.dtypes)]
+        buckets: list[list[int]] = []
+        used = 0
+        for i, (chunk, kind) in enumerate(zip(self.chunks, kinds)):
+            size = self.replicas * chunk * kind[0].size
+            if buckets and kinds[buckets[-1][-1]] == kind and used + size <= self.bucket_bytes:
+                buckets[-1].append(i)
+                used += size
+            else:
+                buckets.append([i])
+                used = size
+        return buckets
+
+    @property
+    def shard_elements(self) -> int:
+        """Elements of every variable one replica owns (its piece of the flat parameters)."""
+        return sum(self.chunks)
+
+    @property
+    def padding(self) -> int:
+        """Zeros added so that every variable divides into R chunks (all replicas together)."""
+        return sum(self.replicas * c - n for c, n in zip(self.chunks, self.sizes))
+
+    def chunk(self, tensor: tf.Tensor, index: int, rank: int) -> tf.Tensor:
+        """Chunk `rank` ([c]) of variable `index`'s value (or gradient), zero-padded."""
+        size, chunk = self.sizes[index], self.chunks[index]
+        start, stop = min(rank * chunk, size), min((rank + 1) * chunk, size)
+        piece = tf.reshape(tensor, [-1])[start:stop]
+        if stop - start < chunk:
+            piece = tf.pad(piece, [[0, chunk - (stop - start)]])
+        return piece
+
+    def rows(self, tensors: Sequence[tf.Tensor], bucket: Sequence[int]) -> tf.Tensor:
+        """A bucket's tensors (whole, indexed by variable, in one dtype) as [R, C]: row j
+        holds chunk j of each."""
+        parts = []
+        for i in bucket:
+            flat = tf.reshape(tensors[i], [-1])
+            padded = tf.pad(flat, [[0, self.replicas * self.chunks[i] - self.sizes[i]]])
+            parts.append(tf.reshape(padded, [self.replicas, self.chunks[i]]))  # (R, c_i)
+        return tf.concat(parts, axis=1) if len(parts) > 1 else parts[0]
+
+    def split(self, shard: tf.Tensor, bucket: Sequence[int]) -> list[tf.Tensor]:
+        """A bucket's [C] (this replica's row) as one [c_i] piece per variable."""
+        return tf.split(shard, [self.chunks[i] for i in bucket]) if len(bucket) > 1 else [shard]
+
+    def unrows(self, gathered: tf.Tensor, bucket: Sequence[int]) -> list[tf.Tensor]:
+        """[R, C] rows of a bucket (row k: rank k's pieces) -> each variable whole."""
+        columns = tf.split(gathered, [self.chunks[i] for i in bucket], axis=1) if len(bucket) > 1 else [gathered]
+        return [tf.reshape(tf.reshape(column, [-1])[:self.sizes[i]], self.shapes[i])  # (R c_i,) -> shape
+                for i, column in zip(bucket, columns)]
+
+    def describe(self) -> dict:
+        """The layout in numbers: what a checkpoint or a report needs to name it."""
+        return {"replicas": self.replicas, "variables": len(self.sizes), "elements": sum(self.sizes),
+                "shard_elements": self.shard_elements, "padding": self.padding,
+                "buckets": len(self.buckets)}
+
+
+def _size(path: str, shape: tuple) -> int:
+    if any(d is None for d in shape):
+        raise ShardingError(f"Variable {path} has shape {shape}: the sharded update flattens every "
+                            "trainable variable and needs its full shape. Give the layer a fixed "
+                            "input shape (build the model on keras.Input) or train with shard='none'.")
+    size = 1
+    for d in shape:
+        size *= int(d)
+    return size
+
+
+class ShardCollectives:
+    """The sharded update's collectives in one replica context (see module docstring).
+
+    Args:
+      context: the replica context (traced inside tf.function).
+      ranks: replica id -> collective rank (see `replica_ranks`).
+    """
+
+    def __init__(self, context, ranks: dict[int, int]):
+        self.replicas = context.num_replicas_in_sync
+        replica = tf.get_static_value(context.replica_id_in_sync_group)
+        self.rank = ranks[int(replica)]
+        self.launcher = private_api.collective_launcher(context) if self.replicas > 1 else None
+        if self.replicas > 1 and self.launcher is None:
+            raise ShardingError(f"{type(context.strategy).__name__} has no collective launchers: the "
+                                "sharded update runs under mirrored or multi_worker_mirrored.")
+        self.nccl = self.replicas > 1 and private_api.launcher_uses_nccl(self.launcher)
+
+    def reduce_scatter(self, rows: tf.Tensor) -> tf.Tensor:
+        """[R, C] rows of every replica -> the sum of row `rank` over replicas, [C]."""
+        if self.replicas == 1:
+            return rows[0]
+        if self.nccl:
+            summed = private_api.launcher_reduce_scatter(self.launcher, tf.reshape(rows, [-1]))
+            return tf.ensure_shape(summed, rows.shape[1:])  # the op leaves its length unknown
+        received = private_api.launcher_all_to_all(self.launcher, rows)  # row i from replica i
+        return tf.reduce_sum(received, axis=0)
+
+    def all_gather(self, piece: tf.Tensor) -> tf.Tensor:
+        """This replica's [C] -> [R, C], row k from rank k."""
+        if self.replicas == 1:
+            return piece[None]
+        return private_api.launcher_all_gather_same_shape(self.launcher, piece[None])
+
+    def all_reduce(self, vector: tf.Tensor) -> tf.Tensor:
+        """A small vector summed over replicas."""
+        if self.replicas == 1:
+            return vector
+        return private_api.launcher_all_reduce(self.launcher, vector)
+
+
+_RANKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def replica_ranks(strategy) -> dict[int, int]:
+    """Replica id -> the collective rank the strategy's launchers give it (every worker must
+    call this, once per strategy: it is a collective). The rank decides which chunk a
+    replica owns."""
+    if strategy.num_replicas_in_sync == 1:
+        return {0: 0}
+    if strategy not in _RANKS:
+        _RANKS[strategy] = _gathered_ranks(strategy)
+    return dict(_RANKS[strategy])
+
+
+def _gathered_ranks(strategy) -> dict[int, int]:
+
+    def gather():
+        context = tf.distribute.get_replica_context()
+        launcher = private_api.collective_launcher(context)
+        if launcher is None:
+            return tf.reshape(context.replica_id_in_sync_group, [1])
+        return private_api.launcher_all_gather_same_shape(
+            launcher, tf.reshape(context.replica_id_in_sync_group, [1]))
+
+    found = strategy.experimental_local_results(tf.function(lambda: strategy.run(gather))())[0]
+    ids = [int(i) for i in found.numpy()]
+    if sorted(ids) != list(range(strategy.num_replicas_in_sync)):
+        raise ShardingError(f"{type(strategy).__name__} has no collective launchers: the sharded "
+                            "update runs under mirrored or multi_worker_mirrored.")
+    return {replica: rank for rank, replica in enumerate(ids)}

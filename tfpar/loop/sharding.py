@@ -1,0 +1,312 @@
+"""Sharded data parallelism (ZeRO-1 and ZeRO-2) in tfpar's loop: `Trainer(shard=...)`.
+
+Each replica updates only its own 1/R of the parameters (a chunk of every variable, see
+tfpar.loop.shard_layout) with its own 1/R of the optimizer state (the user's Keras
+optimizer run on the chunks, tfpar.loop.shard_optimizer), and the updated chunks are
+all-gathered back into every replica's copy of the model. Per step:
+
+    gradients --reduce-scatter--> this replica's chunk of their sum
+              --one small all-reduce--> the global norm (clipping) and one finiteness flag
+              --Keras's update on the chunk--> new chunk --all-gather--> whole variables
+
+The reduce-scatter plus the all-gather carry what one all-reduce carries ((R - 1)/R of the
+parameters each way on a ring). The modes:
+
+- "optimizer" (ZeRO-1): micro-batches (Trainer(accumulate=K)) are summed in full, then
+  reduce-scattered once a step. With a compression that needs the whole sum on every
+  replica (topk, int8, sign, powersgd) the compression aggregates as without sharding and
+  each replica keeps its chunk of the sum.
+- "gradients" (ZeRO-2): every micro-batch is reduce-scattered, bucket by bucket, right after
+  its backward pass, and only this replica's chunk is accumulated: 1/R of the gradients is
+  held between micro-batches (at the price of one reduce-scatter per micro-batch).
+
+What a step does not change: Keras's clip (global_clipnorm with the norm of the whole
+gradient, clipnorm with each variable's whole norm, clipvalue), decoupled weight decay
+and its exclusions, schedules, EMA, fp16's dynamic loss scale (one agreed flag: every
+replica keeps the same scale) and the Trainer's non-finite policies.
+
+Example:
+    >>> trainer = tfpar.Trainer(model, keras.optimizers.AdamW(1e-3), loss, strategy=strategy,
+    ...                         shard="gradients", accumulate=4)
+    >>> check_shard("gradients", "mirrored", compression="topk")   # ShardingError, by name
+"""
+
+from __future__ import annotations
+
+import collections
+
+import keras
+import tensorflow as tf
+
+from tfpar.compression import accounting
+from tfpar.errors import ShardingError
+from tfpar.loop import shard_checkpoint
+from tfpar.loop.shard_checks import (GRADIENTS, MODES, NONE, OPTIMIZER, WIRE_DTYPE_ONLY,  # noqa: F401
+                                     check_shard, check_variable, compression_name)
+from tfpar.loop.shard_layout import BUCKET_BYTES, ShardCollectives, ShardLayout, replica_ranks
+from tfpar.loop.shard_optimizer import ShardOptimizer
+from tfpar.strategy import private_api
+
+GRADIENT_SCOPE = "tfpar_gradients_held"  # the gradient buffer a step holds until its update
+
+
+def _agreed_sum(comm, vector: tf.Tensor) -> tf.Tensor:
+    """A small all-reduce that carries no gradient (norms, the finiteness flag): named like
+    the Trainer's finiteness check, so wire_bytes counts it as `check_bytes_per_step`."""
+    with tf.name_scope(accounting.CHECK_SCOPE):
+        return comm.all_reduce(vector)
+
+
+def _held(tensors: list) -> list:
+    """Marks the gradient buffer a step holds until its update (counted by `held_bytes`)."""
+    with tf.name_scope(GRADIENT_SCOPE):
+        return [tf.identity(t) for t in tensors]
+
+
+class ShardedUpdate:
+    """The Trainer's sharded update: build it with `Trainer(shard=ShardedUpdate(mode, ...))`
+    to choose the bucket size; `Trainer(shard=mode)` makes one (see module docstring).
+
+    Args:
+      mode: 'optimizer' (ZeRO-1) or 'gradients' (ZeRO-2).
+      bucket_bytes: the largest full-size rows one reduce-scatter or all-gather sends at once.
+    """
+
+    def __init__(self, mode: str, bucket_bytes: int = BUCKET_BYTES):
+        if check_shard(mode) == NONE:
+            raise ShardingError("ShardedUpdate('none') shards nothing: pass shard='none' to the Trainer.")
+        self.mode, self.bucket_bytes = mode, bucket_bytes
+        self.shard = self.layout = self.strategy = self._aggregator = None
+        self._ranks, self._policy, self._view = {}, "stop", None
+
+    def configure(self, strategy, optimizer, aggregator, placement, nonfinite: str) -> None:
+        """Checks the Trainer's options (ShardingError by name) before anything is built."""
+        from tfpar.compression import Compression  # pylint: disable=import-outside-toplevel
+        from tfpar.loop.aggregation import AllReduce  # pylint: disable=import-outside-toplevel
+        from tfpar.strategy.describe import strategy_kind  # pylint: disable=import-outside-toplevel
+
+        check_shard(self.mode, strategy_kind(strategy), aggregator if isinstance(aggregator, Compression)
+                    else None, placement)
+        if type(aggregator).__name__ == "TensorParallelSum":  # tfpar.loop.tensor_parallel's
+            raise ShardingError(f"shard={self.mode!r} with a tensor-parallel model: its split weights "
+                                "differ between the replicas of a tensor-parallel group, and sharding "
+                                "them again is not built. Use shard='none' with tensor parallelism.")
+        if not isinstance(aggregator, (AllReduce, Compression)) and self.mode == GRADIENTS:
+            raise ShardingError(f"shard='gradients' with the aggregator {type(aggregator).__name__}: an "
+                                "aggregator returns the whole sum, which ZeRO-2 never holds. Use "
+                                "shard='optimizer' (the aggregator's sum, then each replica's chunk).")
+        self.strategy, self._policy = strategy, nonfinite
+        self._aggregator = None if isinstance(aggregator, AllReduce) else aggregator
+        self.shard = ShardOptimizer(optimizer)
+
+    def build(self, variables) -> None:
+        """Under `strategy.scope()`: the layout, the ranks, the optimizer on the chunks."""
+        for variable in variables:
+            check_variable(variable)
+        self.layout = ShardLayout(variables, self.strategy.num_replicas_in_sync, self.bucket_bytes)
+        self._ranks = replica_ranks(self.strategy)
+        self.shard.build(self.layout, variables)
+        self._view = shard_checkpoint.optimizer_view(self.shard, self.layout, self._ranks)
+
+    # -- the step (replica context) ------------------------------------------------------
+
+    def loss_scale(self) -> tf.Tensor:
+        """fp16: the dynamic loss scale (1.0 otherwise)."""
+        return tf.constant(1.0) if self.shard.scale is None else tf.identity(self.shard.scale)
+
+    def replica_step(self, passes, variables, index, guard, aggregate) -> tf.Tensor:
+        """One step on this replica: `passes` yields (loss, gradients) per micro-batch,
+        `aggregate` is the Trainer's aggregator (with its skipped-step state); returns the
+        summed loss."""
+        comm = ShardCollectives(tf.distribute.get_replica_context(), self._ranks)
+        unscale = None if self.shard.scale is None else 1.0 / self.loss_scale()
+        total = full = shard = updated = None
+        for loss, grads in passes:
+            total = loss if total is None else total + loss
+            updated = [g is not None for g in grads]
+            grads = [self._dense(g, v, unscale) for g, v in zip(grads, variables)]
+            if self.mode == GRADIENTS:
+                part = self._scatter(comm, grads)
+                shard = part if shard is None else [a + b for a, b in zip(shard, part)]
+            else:
+                full = grads if full is None else [a + b for a, b in zip(full, grads)]
+        if self.mode == OPTIMIZER:
+            if self._scatters():
+                shard = self._scatter(comm, _held(full))
+            else:  # the aggregator's whole sum, then this replica's chunk
+                summed = aggregate(_held(full), variables)
+                shard = [self.layout.chunk(tf.convert_to_tensor(s), i, comm.rank) for i, s in enumerate(summed)]
+        else:
+            shard = _held(shard)
+        self._update(comm, shard, updated, variables, index, guard)
+        return total
+
+    @staticmethod
+    def _dense(gradient, variable, unscale):
+        if gradient is None:  # Keras leaves such a variable alone (see ShardOptimizer.apply)
+            return tf.zeros(variable.shape, variable.dtype)
+        # a sparse gradient: its rows summed, dense, with the variable's static shape
+        gradient = tf.ensure_shape(tf.convert_to_tensor(gradient), variable.shape)
+        return gradient if unscale is None else gradient * tf.cast(unscale, gradient.dtype)
+
+    def _scatters(self) -> bool:
+        return self._aggregator is None or compression_name(self._aggregator) in WIRE_DTYPE_ONLY
+
+    def _plan(self) -> list:
+        """The compressor per variable in the traced phase (None: float32 as it is)."""
+        if self._aggregator is None:
+            return [None] * len(self.layout.sizes)
+        plan = self._aggregator._plan_for(self._aggregator._phase)  # pylint: disable=protected-access
+        return [c if c is not None and c.wire_dtype != tf.float32 else None for c in plan]
+
+    def _scatter(self, comm, grads: list) -> list:
+        """Whole gradients -> this replica's chunk of their sum, one [c_i] per variable,
+        one reduce-scatter per bucket (in the compression's wire dtype, if any)."""
+        plan, replicas = self._plan(), comm.replicas
+        wire = [c.wire_dtype if c else d for c, d in zip(plan, self.layout.dtypes)]
+        pieces = [None] * len(grads)
+        for bucket in self.layout.buckets_for(wire):
+            sent = {i: plan[i].encode(grads[i], replicas) if plan[i] else grads[i] for i in bucket}
+            summed = comm.reduce_scatter(self.layout.rows(sent, bucket))  # (C,)
+            for i, part in zip(bucket, self.layout.split(summed, bucket)):
+                pieces[i] = plan[i].decode(part, replicas) if plan[i] else part
+        return pieces
+
+    def _agree(self, comm, shard: list) -> dict:
+        """One all-reduce of what every replica must agree on: the squared norms (global or
+        per variable, for clipping and the finiteness flag) and, under fp16, the count of
+        non-finite scaled gradients (Keras's LossScaleOptimizer test). {} if none is needed."""
+        base, fp16 = self.shard.base, self.shard.scale is not None
+        per_variable = bool(base.clipnorm and base.clipnorm > 0)
+        norm = per_variable or bool(base.global_clipnorm) or (self._policy != "ignore" and not fp16)
+        if not (norm or fp16):
+            return {}
+        vector = []
+        if norm:
+            squares = [tf.reduce_sum(tf.square(g)) for g in shard]
+            vector += squares if per_variable else [tf.add_n(squares)]
+        if fp16:
+            vector.append(tf.add_n([tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(g * self.shard.scale)),
+                                                          tf.float32)) for g in shard]))
+        summed = _agreed_sum(comm, tf.stack(vector))
+        found = {}
+        if norm:
+            found["each"] = summed[:len(shard)] if per_variable else None
+            found["total"] = tf.reduce_sum(summed[:len(shard)]) if per_variable else summed[0]
+        found["finite"] = tf.equal(summed[-1], 0.0) if fp16 else tf.math.is_finite(found["total"])
+        return found
+
+    def _update(self, comm, shard, updated, variables, index, guard) -> None:
+        agreed = self._agree(comm, shard)
+        finite = agreed.get("finite")
+        fp16 = self.shard.scale is not None
+        if self._policy in ("stop", "skip") and not fp16:
+            guard.note(finite, index)
+        grads = self.shard.clip(shard, agreed)
+        if self._policy == "skip" or fp16:
+            tf.cond(finite, lambda: self._apply(comm, grads, updated, variables) or tf.constant(True),
+                    lambda: tf.constant(False))
+        else:
+            self._apply(comm, grads, updated, variables)
+        if fp16:
+            self.shard.update_scale(finite)
+
+    def _apply(self, comm, grads, updated, variables) -> None:
+        """The optimizer on this replica's chunks, then every variable whole again."""
+        for i, (variable, piece) in enumerate(zip(variables, self.shard.pieces)):
+            piece.assign(self.layout.chunk(tf.convert_to_tensor(variable.value), i, comm.rank))
+        self.shard.apply(grads, updated, lambda vector: _agreed_sum(comm, vector))
+        self._gather_into(comm, self.shard.pieces, variables, constrain=True)
+        private_api.local_component(self.shard.base._iterations).assign_add(1)  # pylint: disable=protected-access
+
+    def _gather_into(self, comm, pieces, variables, constrain: bool) -> None:
+        """Every replica's chunks, all-gathered bucket by bucket, written whole into this
+        replica's copy of each variable (every replica writes the same values)."""
+        for bucket in self.layout.buckets:
+            mine = tf.concat([tf.convert_to_tensor(pieces[i]) for i in bucket], 0)
+            for i, whole in zip(bucket, self.layout.unrows(comm.all_gather(mine), bucket)):
+                constraint = getattr(variables[i], "constraint", None)
+                if constrain and constraint is not None:  # Keras: after the update, on the whole
+                    whole = constraint(whole)
+                private_api.local_component(variables[i]).assign(whole)
+
+    # -- around the steps ----------------------------------------------------------------
+
+    def finalize(self, variables) -> None:
+        """As Keras fit ends: with use_ema, the model takes the moving averages (gathered)."""
+        if not self.shard.base.use_ema:
+            return
+
+        def replica():
+            comm = ShardCollectives(tf.distribute.get_replica_context(), self._ranks)
+            self._gather_into(comm, self.shard.averages(), variables, constrain=False)
+
+        tf.function(lambda: self.strategy.run(replica))()
+
+    def checkpoint_items(self) -> dict:
+        """{'optimizer': the sharded optimizer, in Keras's checkpoint layout} (see
+        tfpar.loop.shard_checkpoint): pass it where the optimizer would go."""
+        return {"optimizer": self._view}
+
+    def state_variables(self) -> list:
+        """Every variable the optimizer's state lives in: the slots and counters of the
+        optimizer on the chunks, the step counter and learning rate it shares with the
+        caller's optimizer, fp16's scale."""
+        shard = self.shard
+        own = shard.clone.variables[shard.own_variables:]
+        shared = [shard.base._iterations, shard.base._learning_rate]  # pylint: disable=protected-access
+        scale = [shard.scale, shard.counter]
+        return [v for v in (*own, *shared, *scale) if isinstance(v, (tf.Variable, keras.Variable))]
+
+
+def sharded_update(shard) -> ShardedUpdate | None:
+    """The Trainer's `shard` option as a ShardedUpdate (None: 'none'); a wrong name is refused."""
+    if isinstance(shard, ShardedUpdate):
+        return shard
+    return None if check_shard(shard) == NONE else ShardedUpdate(shard)
+
+
+def state_bytes(trainer) -> dict:
+    """Bytes one replica holds (the busiest device), read from the variables a Trainer
+    created: 'parameters' (the model's trainable variables), 'optimizer_state' (Keras's
+    optimizer, or the sharded one's chunks) and, sharded, 'parameter_shard' (the chunks
+    the update writes)."""
+    sharded = trainer._sharded  # pylint: disable=protected-access
+    state = trainer.optimizer.variables if sharded is None else sharded.state_variables()
+    found = {"parameters": _busiest(device_bytes(trainer.model.trainable_variables)),
+             "optimizer_state": _busiest(device_bytes(state))}
+    if sharded is not None:
+        found["parameter_shard"] = _busiest(device_bytes(sharded.shard.pieces))
+    return found
+
+
+def device_bytes(variables) -> collections.Counter:
+    """Bytes of `variables` per device, from every copy actually created (a mirrored or
+    per-replica variable: one copy per replica)."""
+    found = collections.Counter()
+    for variable in variables:
+        variable = variable.value if isinstance(variable, keras.Variable) else variable
+        copies = variable.values if isinstance(variable, tf.distribute.DistributedValues) else [variable]
+        for copy in copies:
+            found[copy.device] += int(copy.shape.num_elements()) * tf.as_dtype(copy.dtype).size
+    return found
+
+
+def _busiest(by_device: collections.Counter) -> int:
+    return max(by_device.values(), default=0)
+
+
+def held_gradient_bytes(concrete_function) -> int:
+    """Bytes of the gradient buffer one replica's step holds until its update (the busiest
+    device), read from the traced step: the tensors marked GRADIENT_SCOPE by the sharded
+    update; an unsharded step holds what its all-reduce sends (the float32 gradients)."""
+    per_device = collections.Counter()
+    for graph in accounting.graphs(concrete_function):
+        for op in graph.get_operations():
+            if op.type == "Identity" and accounting.in_scope(op.name, GRADIENT_SCOPE):
+                shape = op.outputs[0].shape
+                if shape.is_fully_defined():
+                    per_device[op.device] += int(shape.num_elements()) * op.outputs[0].dtype.size
+    if per_device:
+        return _busiest(per_device)
+    return int(accounting.bytes_per_replica(concrete_function, in_loops_only=True, checks=False))
