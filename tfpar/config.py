@@ -13,11 +13,10 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-
 import ml_collections
 
 from tfpar.errors import TfparError
+from tfpar.parallel_config import parallel_block, validate_parallel
 
 
 class ConfigError(TfparError, ValueError):
@@ -85,6 +84,7 @@ def base_config() -> ml_collections.ConfigDict:
         clip_norm=1.0,                  # the global norm of the mean gradient (0: off), every path
         label_smoothing=0.0))
     c.sample = ml_collections.ConfigDict(dict(prompt="def ", length=200, temperature=0.7))
+    c.parallel = parallel_block()       # pipeline stages, tensor, shard: tfpar.parallel_config
     return c
 
 
@@ -107,6 +107,7 @@ def validate(config) -> None:
     _validate_data(config)
     _validate_train(config)
     _validate_optimizer(config.optimizer)
+    validate_parallel(config)
 
 
 def _validate_run(config) -> None:

@@ -16,6 +16,7 @@ import tempfile
 import time
 from typing import Any, Callable
 
+from tfpar import run_parallel
 from tfpar.config import ConfigError
 
 
@@ -112,9 +113,15 @@ def setup(config, workdir: str) -> _Run:
         raise ConfigError("config.mode: parameter_server trains with tfpar's own loop (Keras fit "
                           "does not support it, keras#18624). Add --config.mode=loop.")
     t = config.train
-    data_lib.per_replica_batch_size(t.batch_size, info.replicas)
+    run_parallel.check_devices(config, strategy, info)
+    replicas = run_parallel.data_replicas(config, info)  # those that see different batches
+    rows = data_lib.per_replica_batch_size(t.batch_size, replicas)
+    if rows % config.parallel.microbatches:
+        raise ConfigError(f"config.parallel.microbatches: {config.parallel.microbatches} does not divide "
+                          f"the {rows} rows each pipeline gets per step (train.batch_size "
+                          f"{t.batch_size} over {replicas} pipeline(s)): use a divisor of {rows}.")
     if not asynchronous:  # checked now, not after training (the ps chief evaluates alone)
-        data_lib.per_replica_batch_size(t.eval_batch_size, info.replicas)
+        data_lib.per_replica_batch_size(t.eval_batch_size, replicas)
     splits = data_lib.load(config.data.name, seq_len=config.data.seq_len, files=config.data.files or None,
                            data_dir=config.data.data_dir or None, seed=config.seed)
     return _Run(config, workdir, strategy, info, splits, say, asynchronous)
@@ -149,19 +156,25 @@ def fit_jit_compile(xla: bool, kind: str, replicas: int) -> tuple[bool, str | No
     return True, None
 
 
-def build(run: _Run) -> None:
-    """Model, optimizer, compression, Trainer (loop mode) and checkpoints, restored."""
+def _build_model(run: _Run):
+    """(model, compression, stage plan): the model built where config.parallel puts it
+    (a pipeline's devices, split over tensor-parallel groups, or the strategy's scope)."""
+    import keras
+
+    import tfpar
     from tfpar import recipes
-    from tfpar.checkpoints import Checkpoints
-    from tfpar.compression import Auto, compress_fit
-    from tfpar.loop import Trainer
+    from tfpar.compression import compress_fit
 
     config, t = run.config, run.config.train
     jit, jit_note = fit_jit_compile(t.xla, run.info.kind, run.info.replicas)
     if jit_note and config.mode == "fit":
         run.say(jit_note)
-    with run.strategy.scope():
-        model = recipes.build_model(config, run.splits.info)
+    stage_plan = None
+    if config.parallel.stages > 1:  # balanced on a throwaway copy; the model starts from the seed
+        stage_plan = run_parallel.plan(config, run.strategy, run.splits.info, _sample_inputs(run))
+        keras.utils.set_random_seed(config.seed)
+    with run_parallel.build_scope(config, run.strategy, stage_plan) as strategy:
+        model = run_parallel.build_model(config, run.splits.info)
         model.compile(optimizer=recipes.build_optimizer(config.optimizer, t.steps),
                       loss=recipes.SmoothedSparseCrossentropy(config.optimizer.label_smoothing),
                       steps_per_execution=t.steps_per_loop, jit_compile=jit)
@@ -170,19 +183,46 @@ def build(run: _Run) -> None:
             if compression is not None:  # dgc: its SGD's momentum moves in, a plain SGD applies
                 compress_fit(model, compression)
             model.optimizer.build(model.trainable_variables)  # fp16: a LossScaleOptimizer
+    if strategy is not run.strategy:  # a pipeline trains under its plan's strategy
+        run.strategy, run.info = strategy, tfpar.describe(strategy)
+    return model, compression, stage_plan
+
+
+def _sample_inputs(run: _Run):
+    """One micro-batch of training inputs (to balance a pipeline by flops or seconds)."""
+    t, p = run.config.train, run.config.parallel
+    rows = max(t.batch_size // run_parallel.data_replicas(run.config, run.info) // p.microbatches, 1)
+    return next(iter(run.splits.train.build(training=True).batch(rows).take(1)))[0]
+
+
+def build(run: _Run) -> None:
+    """Model, optimizer, compression, Trainer (loop mode) and checkpoints, restored."""
+    from tfpar import recipes
+    from tfpar.checkpoints import Checkpoints
+    from tfpar.compression import Auto
+    from tfpar.loop import Trainer
+
+    config, t = run.config, run.config.train
+    model, compression, stage_plan = _build_model(run)
     optimizer = model.optimizer
+    state = compression.checkpoint_items() if compression is not None else {}
     if config.mode == "loop":  # onebit_adam, dgc_adam, dgc: the Trainer's optimizer applies their step
         if isinstance(compression, Auto):  # a resumed run keeps its decision: restored before build
             Checkpoints(run.workdir, run.info.is_chief, **compression.checkpoint_items()).restore()
         run.trainer = Trainer(model, optimizer, model.loss, run.strategy, steps_per_loop=t.steps_per_loop,
                               accumulate=t.accumulate, compression=compression, nonfinite=t.nonfinite,
-                              xla=None if t.xla else False)
+                              xla=None if t.xla else False, shard=config.parallel.shard,
+                              placement=run_parallel.pipeline(config, model, stage_plan))
         optimizer = run.trainer.optimizer
-    state = compression.checkpoint_items() if compression is not None else {}
-    run.checkpoints = Checkpoints(run.workdir, run.info.is_chief, model=model, optimizer=optimizer, **state)
+    # shard: the sharded optimizer state, in Keras's layout, in place of the optimizer
+    saved = run.trainer.checkpoint_items()["optimizer"] if config.parallel.shard != "none" else optimizer
+    run.checkpoints = Checkpoints(run.workdir, run.info.is_chief, model=model, optimizer=saved, **state)
     run.model, run.optimizer, run.compression = model, optimizer, compression
     run.say(f"model: {model.name}, {model.count_params():,} parameters, stages: "
             f"{', '.join(name for name, _ in model.stages())}")
+    for line in filter(None, [run_parallel.describe(config, stage_plan),
+                              stage_plan and stage_plan.table()]):
+        run.say(line)
     if config.data.augment and run.splits.info.get("kind") == "image":
         run.augment = recipes.image_augmentation(run.splits.info["image_size"])
 
@@ -196,7 +236,8 @@ def _train_data(run: _Run, step: int):
         return run.trainer.per_worker_dataset(
             data_lib.worker_train_fn(run.splits.train, t.batch_size, run.augment))
     return data_lib.distribute_train(run.strategy, run.splits.train, t.batch_size,
-                                     start_step=step * t.accumulate, augment=run.augment)
+                                     start_step=step * t.accumulate, augment=run.augment,
+                                     tensor_parallel=run.config.parallel.tensor)
 
 
 def _evaluate(run: _Run) -> dict:
@@ -210,7 +251,8 @@ def _evaluate(run: _Run) -> dict:
     if run.eval_data is None:
         t = run.config.train
         run.eval_data = data_lib.distribute_eval(eval_strategy, run.splits.validation,
-                                                 t.eval_batch_size, limit=t.eval_examples)
+                                                 t.eval_batch_size, limit=t.eval_examples,
+                                                 tensor_parallel=run.config.parallel.tensor)
     data, steps = run.eval_data
     if run.trainer is not None:
         return run.trainer.evaluate(data, steps)
@@ -278,7 +320,7 @@ def _sample(run: _Run) -> None:
     s = run.config.sample
     if not run.corpus or s.length <= 0:
         return
-    text = generate(run.model, s.prompt, s.length, run.config.data.seq_len, s.temperature,
+    text = generate(run_parallel.sampling_model(run.config, run.model), s.prompt, s.length, run.config.data.seq_len, s.temperature,
                     seed=run.config.seed)
     run.say("sample:\n" + text)
     if run.info.is_chief:
