@@ -30,6 +30,7 @@ MODES = ("fit", "loop")
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 COMPRESSORS = ("none", "fp16", "int8", "topk", "powersgd", "sign", "dgc", "onebit_adam", "dgc_adam")
 OPTIONS = ("none", "global_clip", "clipnorm", "clipvalue", "accumulation", "ema", "weight_decay")
+SHARDS = ("optimizer", "gradients")  # tfpar.Trainer(shard=...): loop cases only, see `shard_cases`
 
 # The fast tier: all-pairs over these, in this process only (two-process runs are slow, as
 # everywhere in tests/conftest.py); the compressors and options that exercise each
@@ -98,6 +99,7 @@ class Run:
     family: str = ""
     batch: int = BATCH
     steps: int = STEPS
+    shard: str = "none"  # loop: Trainer(shard=...) (ZeRO-1 'optimizer', ZeRO-2 'gradients')
 
     def __post_init__(self):
         if not self.family:
@@ -110,6 +112,8 @@ class Run:
             parts.append(self.family)
         if (self.batch, self.steps) != (BATCH, STEPS):
             parts.append(f"b{self.batch}x{self.steps}")
+        if self.shard != "none":
+            parts.append(f"shard={self.shard}")
         return "/".join(parts)
 
     @classmethod
@@ -117,7 +121,9 @@ class Run:
         parts = key.split("/")
         run = dict(zip(("strategy", "mode", "precision", "compressor", "option"), parts[:5]))
         for extra in parts[5:]:
-            if extra.startswith("b") and "x" in extra:
+            if extra.startswith("shard="):
+                run["shard"] = extra[len("shard="):]
+            elif extra.startswith("b") and "x" in extra:
                 batch, steps = extra[1:].split("x")
                 run.update(batch=int(batch), steps=int(steps))
             else:
@@ -197,10 +203,30 @@ def full_cases() -> list[Run]:
     return list(dict.fromkeys(cases))
 
 
+# Sharded cases: every shard mode x precision x strategy with a global clip (the norm agreed
+# across shards), and what sharding composes with or refuses; the fast tier takes two.
+FAST_SHARD_CASES = [Run("mirrored", "loop", "mixed_float16", "none", "global_clip", shard="gradients"),
+                    Run("mirrored", "loop", "float32", "topk", "none", shard="gradients")]
+
+
+def shard_cases() -> list[Run]:
+    """Every shard mode x precision x strategy (the loop, global clip), then compressors
+    and options with each mode: fp16 in the reduce-scatter, topk's whole sum (ZeRO-1 only),
+    onebit_adam's own Adam state (refused), EMA, Keras's accumulation (refused: the
+    Trainer's accumulate= does it)."""
+    cases = [Run(s, "loop", p, "none", "global_clip", shard=m) for s in STRATEGIES for p in PRECISIONS for m in SHARDS]
+    cases += [Run("mirrored", "loop", "mixed_bfloat16", "fp16", "none", shard="gradients"),
+              Run("mirrored", "loop", "float32", "topk", "none", shard="optimizer"),
+              Run("mirrored", "loop", "float32", "onebit_adam", "none", shard="optimizer"),
+              Run("mirrored", "loop", "float32", "none", "ema", shard="optimizer"),
+              Run("mirrored", "loop", "float32", "none", "accumulation", shard="gradients")]
+    return list(dict.fromkeys(FAST_SHARD_CASES + cases))
+
+
 def all_cases() -> tuple[list[Run], set[Run]]:
     """(every case of both tiers in order, the fast tier's cases)."""
-    fast = fast_cases()
-    return list(dict.fromkeys(fast + full_cases())), set(fast)
+    fast = fast_cases() + FAST_SHARD_CASES
+    return list(dict.fromkeys(fast + full_cases() + shard_cases())), set(fast)
 
 
 # -- references ------------------------------------------------------------------------
@@ -208,7 +234,7 @@ def all_cases() -> tuple[list[Run], set[Run]]:
 @dataclasses.dataclass(frozen=True)
 class Reference:
     run: Run
-    kind: str        # exact | precision | plain_compressed | relation | ema_relation | fit_vs_loop | cross_strategy
+    kind: str        # exact | precision | plain_compressed | relation | ema_relation | fit_vs_loop | cross_strategy | unsharded
     why: str
     case: Run | None = None  # precision: the mixed-precision case (its tolerance)
 
@@ -241,6 +267,9 @@ def reference_for(run: Run) -> Reference | None:
     """What `run` must equal, and why that is an honest reference (None: ground truth)."""
     if run.strategy == "plain":
         return None
+    if run.shard != "none":
+        return Reference(run.replace(shard="none"), "unsharded",
+                         "the same case unsharded (Keras's own update on the whole variables)")
     if run.precision != "float32":
         if run.strategy == "multi_worker_mirrored":  # 2 replicas too, in this process
             return Reference(run.replace(precision="float32", strategy="mirrored"), "precision",
@@ -463,7 +492,7 @@ def _start(run: Run, strategy, weights) -> Callable[[], tuple[list, np.ndarray]]
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
     trainer = None
     if run.mode == "loop":
-        trainer = Trainer(model, optimizer, loss(), strategy=strategy, compression=compression)
+        trainer = Trainer(model, optimizer, loss(), strategy=strategy, compression=compression, shard=run.shard)
 
     def train():
         steps = []
@@ -528,6 +557,7 @@ def names_of(run: Run) -> dict[str, tuple[str, ...]]:
                      "multi_worker_mirrored": ("multi_worker", "multi-worker")}[run.strategy],
         "mode": {"fit": ("fit",), "loop": ("trainer", "loop")}[run.mode],
         "optimizer": {"sgd": ("sgd",), "adam": ("adam",), "adamw": ("adamw", "adam")}[run.family],
+        "shard": () if run.shard == "none" else ("shard",),
     }
 
 

@@ -14,11 +14,14 @@ gradient_accumulation_steps=2, use_ema, AdamW's weight_decay).
 Cases (generated, never listed by hand): allpairspy over the five axes (every pair of
 values in at least one case; its filler values are spread out, see
 `matrix_cases._balanced`) plus every compressor x every precision on mirrored, loop, no
-option (so each of those pairs is also seen where it is meant to train): 104 cases. The
-fast tier is all-pairs over {default, mirrored} x every mode and precision x {none, topk,
-dgc, onebit_adam} x {none, global clip, accumulation, EMA}, all in this process: 16 cases;
-the other 88 are `slow` (every two-process case among them, as tests/conftest.py makes
-every multi-process test slow).
+option (so each of those pairs is also seen where it is meant to train), plus the sharded
+loop (`Trainer(shard=...)`, `matrix_cases.shard_cases`): every shard mode (optimizer,
+gradients) x precision x strategy with a global clip, and five compositions (fp16 in the
+reduce-scatter, topk with ZeRO-1, EMA; onebit_adam and Keras's accumulation refused): 128
+cases. The fast tier is all-pairs over {default, mirrored} x every mode and precision x
+{none, topk, dgc, onebit_adam} x {none, global clip, accumulation, EMA}, plus two sharded
+cases, all in this process: 18 cases; the other 110 are `slow` (every two-process case
+among them, as tests/conftest.py makes every multi-process test slow).
 
 Every case trains 4 steps of a global batch of 16 (tests/test_compression.py's MLP: dense
 gradients only, 6,660 weights) and ends in exactly one of:
@@ -65,6 +68,9 @@ References and tolerances (`matrix_cases.reference_for`, `matrix_cases.compare`)
   commit 5fabe9a: fit clipping each replica's gradient before the all-reduce (1.3e-2 with
   clipnorm), tfpar's loop never writing the EMA into the model (2.8e-2), dgc's momentum
   applied per micro-batch under accumulation (2.5e-2).
+- unsharded (a `shard` case): the same case with shard='none', which must hold up itself
+  (its precision or exact reference below). 1e-5 as above: each replica runs Keras's own
+  update on its chunk, the sums in another order.
 - precision (mixed_bfloat16, mixed_float16): the same case in float32 (on mirrored for a
   multi_worker_mirrored case: 2 replicas too, and this keeps the two-process runs down),
   which must hold up itself. Measured: |update - update_float32| / |update_float32| over
@@ -336,7 +342,8 @@ def table(rows: dict[M.Run, M.Verdict]) -> str:
         where = v.reference if v.outcome == "refused" else f"{v.reference}; {v.tolerance}".strip("; ")
         outcome = "**FAIL**" if v.outcome == "FAIL" else v.outcome
         lines.append("| " + " | ".join(_cell(x) for x in (
-            case.strategy, case.mode, case.precision, case.compressor, case.option, outcome, where,
+            case.strategy, case.mode, case.precision, case.compressor,
+            case.option if case.shard == "none" else f"{case.option}, shard={case.shard}", outcome, where,
             v.detail)) + " |")
     return "\n".join(lines)
 
@@ -403,4 +410,4 @@ def write_outputs(runs: Matrix) -> None:
 
 def dataclasses_dict(case: M.Run) -> dict:
     return {"key": case.key, "strategy": case.strategy, "mode": case.mode, "precision": case.precision,
-            "compressor": case.compressor, "option": case.option, "optimizer": case.family}
+            "compressor": case.compressor, "option": case.option, "optimizer": case.family, "shard": case.shard}
