@@ -212,6 +212,9 @@ def test_refusals_name_the_fix():
     with pytest.raises(tp.TensorParallelError, match="does not divide the 4 attention heads"):
         with strategy.scope():
             GPT(**{**TINY, "heads": 4}, tensor_parallel=3)
+    with pytest.raises(tp.TensorParallelError, match="tensor_parallel must be a positive integer .*got 0"):
+        with strategy.scope():
+            GPT(**TINY, tensor_parallel=0)  # not an unsplit model in silence
     with pytest.raises(tp.TensorParallelError, match="needs 4 replicas .* but the strategy has 2"):
         with strategy.scope():
             GPT(**TINY, tensor_parallel=4)

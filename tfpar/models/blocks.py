@@ -209,7 +209,7 @@ def transformer_stages(config, causal: bool) -> list[Stage]:
     `config.tensor_parallel` = T > 1, each split over T replicas
     (tfpar.models.tensor_parallel)."""
     degree = getattr(config, "tensor_parallel", 1)
-    if degree > 1:
+    if degree != 1:  # split (a degree below 1 is refused there, by name)
         from tfpar.models.tensor_parallel import parallel_transformer_stages  # pylint: disable=import-outside-toplevel
 
         return parallel_transformer_stages(config, causal, degree)

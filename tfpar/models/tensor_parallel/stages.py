@@ -34,6 +34,8 @@ from tfpar.models.tensor_parallel.layout import TensorParallelError
 
 def check_divides(degree: int, heads: int | None = None, hidden: int | None = None) -> None:
     """T must split the heads and the MLP's hidden width into equal shards."""
+    if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
+        raise TensorParallelError(f"tensor_parallel must be a positive integer (1: unsplit), got {degree!r}.")
     if heads is not None and heads % degree:
         raise TensorParallelError(
             f"tensor_parallel={degree} does not divide the {heads} attention heads (each rank holds "
