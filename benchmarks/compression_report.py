@@ -12,13 +12,13 @@ from the JSON's `results`, so a figure lives in its JSON and is printed from the
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
-import re
 import sys
 from typing import NamedTuple
+
+import readme_tables
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 README = os.path.join(RESULTS, "compression", "README.md")
@@ -297,36 +297,9 @@ TABLES = {
         *_tiny("tiny_600_psgd_frozenv.json", "powersgd(4)+start120+16-8-4+freezev120",
                "powersgd(4)+start120+freezev120", "powersgd(2)+start120+freezev120")]),
 }
-MARK = re.compile(r"(<!-- table: (\S+) -->\n)(.*?)(<!-- /table -->)", re.S)
-
-
-def render(text: str) -> str:
-    """`text` with every marked table regenerated."""
-    def fill(match):
-        name = match.group(2)
-        if name not in TABLES:
-            raise SystemExit(f"{README}: unknown table {name!r}; known: {', '.join(TABLES)}")
-        return match.group(1) + "\n".join(TABLES[name]()) + "\n" + match.group(4)
-    return MARK.sub(fill, text)
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="exit 1 if the README's tables are not what the JSONs say")
-    p.add_argument("--print", dest="name", choices=sorted(TABLES), help="print one table")
-    args = p.parse_args()
-    if args.name:
-        print("\n".join(TABLES[args.name]()))
-        return
-    with open(README) as f:
-        text = f.read()
-    new = render(text)
-    if args.check:
-        sys.exit(0 if new == text else f"{README}: tables differ from the JSONs; run {sys.argv[0]}")
-    with open(README, "w") as f:
-        f.write(new)
-    print(f"wrote {README} ({len(MARK.findall(new))} tables)")
+def main() -> int:
+    return readme_tables.main(README, TABLES, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -14,12 +14,12 @@ benchmarks/zero_bubble_limit.py.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
-import re
 import sys
+
+import readme_tables
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 README = os.path.join(RESULTS, "schedules", "README.md")
@@ -139,44 +139,8 @@ TABLES = {  # name -> its lines
     "gpu": lambda: runs_table("gpu/schedules/placement.json", [
         "schedule", "ms/step", "bubble", "theory", "replayed", "of 1F1B's", "peak activations", "alone faster"]),
 }
-MARKED = re.compile(r"(<!-- table: (\S+) -->\n)(.*?)(<!-- /table -->)", re.S)
-
-
-def render(text: str) -> tuple[str, list[str]]:
-    """`text` with every marked table rebuilt, and the names of the tables found."""
-    found = []
-
-    def fill(match):
-        name = match.group(2)
-        if name not in TABLES:
-            raise SystemExit(f"unknown table {name!r}; known: {', '.join(TABLES)}")
-        found.append(name)
-        return match.group(1) + "\n".join(TABLES[name]()) + "\n" + match.group(4)
-    return MARKED.sub(fill, text), found
-
-
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if a table differs from its JSONs")
-    parser.add_argument("--print", dest="show", choices=sorted(TABLES), help="print one table and stop")
-    args = parser.parse_args()
-    if args.show:
-        print("\n".join(TABLES[args.show]()))
-        return 0
-    with open(README, encoding="utf-8") as f:
-        text = f.read()
-    new, found = render(text)
-    missing = [name for name in TABLES if name not in found]
-    if missing:
-        print(f"tables with no marker in the README: {', '.join(missing)}")
-    if args.check:
-        print("the README's tables differ from their JSONs" if new != text else "every table matches its JSON")
-        return 1 if new != text or missing else 0
-    if new != text:
-        with open(README, "w", encoding="utf-8") as f:
-            f.write(new)
-    print("rewrote the README's tables" if new != text else "nothing to rewrite")
-    return 0
+    return readme_tables.main(README, TABLES, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":
