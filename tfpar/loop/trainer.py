@@ -119,6 +119,7 @@ class Trainer:
             nonfinite = "ignore"
         keras_fixes.apply_and_report()  # accumulation and EMA under mirrored need fix 4
         self.aggregator = aggregator_for(self.strategy, aggregator, compression, model)
+        self._tensor_layout = tensor_parallel_layout(model)  # None: the model is not split
         self._sharded = sharding.sharded_update(shard)
         if self._sharded is not None:  # refused by name before anything is built
             self._sharded.configure(self.strategy, optimizer, self.aggregator, placement, nonfinite)
@@ -131,7 +132,7 @@ class Trainer:
         # XLA is off with a pipeline (the step spans devices) and with tensor parallelism
         # (the layers' collectives run inside forward and backward)
         self.xla = ((True if xla is None else bool(xla)) and placement is None
-                    and tensor_parallel_layout(model) is None)
+                    and self._tensor_layout is None)
         self.sum_sparse_rows = sum_sparse_rows
         with self.strategy.scope():
             self.aggregator.build(model.trainable_variables)
@@ -390,7 +391,7 @@ class Trainer:
         strategy = tf.distribute.get_strategy() if self._async else self.strategy
         local = not self._async and strategy.num_replicas_in_sync == 1  # XLA: variables here
         results = evaluation.evaluate(self.model, strategy, dataset, steps, xla=self.xla and local)
-        layout = tensor_parallel_layout(self.model)  # a TP group's T replicas see each example
+        layout = self._tensor_layout  # a TP group's T replicas see each example
         return results if layout is None else {**results, "examples": results["examples"] / layout.degree}
 
     def collective_ops(self, dataset) -> list[tuple[str, str]]:
