@@ -45,7 +45,8 @@ import tensorflow as tf  # noqa: E402
 
 import tfpar  # noqa: E402
 from tfpar.compression import accounting  # noqa: E402
-from tfpar.loop import Trainer, sharding  # noqa: E402
+from tfpar import zero  # noqa: E402
+from tfpar.loop import Trainer  # noqa: E402
 from tfpar.models import GPT  # noqa: E402
 from tfpar.recipes import SmoothedSparseCrossentropy  # noqa: E402
 
@@ -87,11 +88,11 @@ def bytes_report(replicas: int) -> dict:
     for mode in MODES:
         t = trainer(strategy, SMALL, mode)
         step = t.traced_step(tokens(strategy, SMALL, 2 * replicas, batches=4))
-        held = sharding.state_bytes(t)
+        held = zero.state_bytes(t)
         rows[mode] = {
             "parameters": held["parameters"], "optimizer_state": held["optimizer_state"],
             "parameter_shard": held.get("parameter_shard", 0),
-            "gradients": sharding.held_gradient_bytes(step),
+            "gradients": zero.held_gradient_bytes(step),
             "handed_per_step": accounting.bytes_per_replica(step, in_loops_only=True),
             "handed_gradients_per_step": accounting.bytes_per_replica(step, in_loops_only=True, checks=False),
             "link_per_step": accounting.link_bytes_per_worker(step, replicas, checks=False),

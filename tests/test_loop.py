@@ -216,7 +216,7 @@ def test_bad_options_are_refused(fit_reference):
 def test_the_aggregator_contract_defaults_and_no_reduce():
     """An aggregator checkpoints nothing unless it says so; NoReduce (each parameter-server
     worker applies its own gradients) hands the gradients back untouched."""
-    from tfpar.loop.aggregation import AllReduce, NoReduce
+    from tfpar.aggregation import AllReduce, NoReduce
 
     gradients, variables = [tf.constant([1.0, -2.0])], [tf.Variable([0.0, 0.0])]
     assert AllReduce().checkpoint_items() == {} == NoReduce().checkpoint_items()

@@ -13,7 +13,9 @@ from tfpar import compression as C
 from tfpar.checkpoints import Checkpoints
 from tfpar.compression import accounting
 from tfpar.errors import NonFiniteError, ShardingError
-from tfpar.loop import Trainer, shard_optimizer, sharding
+from tfpar import zero
+from tfpar.loop import Trainer
+from tfpar.zero import optimizer as zero_optimizer
 from tfpar.models import GPT
 
 TOL = 1e-5
@@ -59,7 +61,7 @@ def loss():
 
 def trainer_for(strategy, weights, shard="none", optimizer="adamw", bucket_bytes=None, **options):
     if bucket_bytes is not None:
-        shard = sharding.ShardedUpdate(shard, bucket_bytes=bucket_bytes)
+        shard = zero.ZeroUpdate(shard, bucket_bytes=bucket_bytes)
     with strategy.scope():
         model = odd_mlp()
         model.set_weights(weights)
@@ -224,8 +226,8 @@ def test_bytes_per_replica_and_on_the_wire(weights, replicas):
         model, trainer = trainer_for(strategy, weights, mode, accumulate=2)
         step = trainer.traced_step(data)
         report[mode] = {
-            "state": sharding.state_bytes(trainer)["optimizer_state"],
-            "gradients": sharding.held_gradient_bytes(step),
+            "state": zero.state_bytes(trainer)["optimizer_state"],
+            "gradients": zero.held_gradient_bytes(step),
             "link": accounting.link_bytes_per_worker(step, replicas, checks=False),
             "types": {c.type for c in accounting.collectives(step, checks=False)}}
     layout = trainer._sharded.layout
@@ -247,12 +249,12 @@ def test_the_gpu_reduce_scatter_is_traced_and_counted():
     on CPU TensorFlow has none, and the all-to-all + sum above replaces it. Traced here (not
     run): each replica hands its [R, C] rows and gets [C]; a link carries (R-1)/R of them."""
     strategy = mirrored(2)
-    ranks = sharding.replica_ranks(strategy)
+    ranks = zero.replica_ranks(strategy)
 
     @tf.function
     def scatter():
         def replica():
-            comm = sharding.ShardCollectives(tf.distribute.get_replica_context(), ranks)
+            comm = zero.PartitionCollectives(tf.distribute.get_replica_context(), ranks)
             assert not comm.nccl  # logical CPUs
             comm.nccl = True  # as a GPU launcher says
             return comm.reduce_scatter(tf.ones([2, 6]))
@@ -338,27 +340,27 @@ def test_a_tensor_parallel_model_is_refused():
 
 def test_the_binary_check_and_what_cannot_be_flattened():
     """check_shard is what the binary calls before it builds anything."""
-    assert sharding.check_shard("none", "parameter_server", "dgc") == "none"
-    assert sharding.check_shard("optimizer", "multi_worker_mirrored", "topk") == "optimizer"
-    assert sharding.check_shard("gradients", "mirrored", "fp16") == "gradients"
+    assert zero.check_shard("none", "parameter_server", "dgc") == "none"
+    assert zero.check_shard("optimizer", "multi_worker_mirrored", "topk") == "optimizer"
+    assert zero.check_shard("gradients", "mirrored", "fp16") == "gradients"
     for args, message in [(("optimizer", "parameter_server"), "under parameter_server: the variables live"),
                           (("optimizer", "tpu"), "under tpu: the sharded update runs under default"),
                           (("gradients", "mirrored", None, object()), "with layer placement"),
                           (("gradients", "mirrored", "auto"), "compression auto: auto decides"),
                           (("optimizer", "mirrored", "dgc_adam"), "compression dgc_adam")]:
         with pytest.raises(ShardingError, match=message):
-            sharding.check_shard(*args)
+            zero.check_shard(*args)
     strategy = tf.distribute.get_strategy()
     with strategy.scope():
         counter = tf.Variable(tf.zeros([3], tf.int32), name="counter")
     with pytest.raises(ShardingError, match="is int32: the sharded update flattens floating-point"):
-        sharding.check_variable(counter)
+        zero.check_variable(counter)
     with pytest.raises(ShardingError, match=r"has shape \(None, 4\): the sharded update flattens"):
-        sharding.ShardLayout([tf.Variable(tf.zeros([2, 4]), shape=tf.TensorShape([None, 4]))], 2)
+        zero.PartitionLayout([tf.Variable(tf.zeros([2, 4]), shape=tf.TensorShape([None, 4]))], 2)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer", [c.__name__ for c in shard_optimizer.ELEMENTWISE
+@pytest.mark.parametrize("optimizer", [c.__name__ for c in zero_optimizer.ELEMENTWISE
                                        if c.__name__ not in ("SGD", "Adam", "AdamW")])
 def test_every_elementwise_optimizer_is_kerass_update(weights, optimizer):
     """Every other optimizer the sharded update accepts (SGD, AdamW: above; Adam: with EMA),

@@ -15,12 +15,8 @@ from __future__ import annotations
 
 import ml_collections
 
-from tfpar.errors import TfparError
+from tfpar.errors import ConfigError  # noqa: F401  (re-exported: tfpar.config.ConfigError)
 from tfpar.parallel_config import parallel_block, validate_parallel
-
-
-class ConfigError(TfparError, ValueError):
-    """A config value that cannot work; the message names the key."""
 
 
 MODES = ("fit", "loop")

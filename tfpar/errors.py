@@ -75,6 +75,10 @@ class CheckpointDamagedError(TfparError, RuntimeError):
     """Every checkpoint in the workdir is damaged (missing or truncated files, bad checksums)."""
 
 
+class ConfigError(TfparError, ValueError):
+    """A config value that cannot work; the message names the key."""
+
+
 class ShardingError(TfparError, ValueError):
     """A sharded update (ZeRO: Trainer(shard=...)) that cannot work with this optimizer,
     variable, strategy or option; the message names the fix."""

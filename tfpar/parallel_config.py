@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import ml_collections
 
+from tfpar.errors import ConfigError
+
 BALANCES = ("params", "flops", "seconds")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 REMATS = ("none", "full", "attention")
@@ -39,8 +41,6 @@ def parallel_block() -> ml_collections.ConfigDict:
 
 
 def _require(ok: bool, key: str, message: str) -> None:
-    from tfpar.config import ConfigError  # pylint: disable=import-outside-toplevel
-
     if not ok:
         raise ConfigError(f"config.parallel.{key}: {message}")
 
@@ -128,7 +128,7 @@ def _validate_tensor(config) -> None:
 
 def _validate_shard(config) -> None:
     from tfpar.errors import ShardingError  # pylint: disable=import-outside-toplevel
-    from tfpar.loop.shard_checks import check_shard  # pylint: disable=import-outside-toplevel
+    from tfpar.zero.checks import check_shard  # pylint: disable=import-outside-toplevel
 
     p = config.parallel
     if p.shard == "none":

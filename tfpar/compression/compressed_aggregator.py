@@ -42,7 +42,7 @@ from tfpar.compression.dgc import DGC
 from tfpar.compression.policy import Policy
 from tfpar.compression.powersgd import PowerSGD
 from tfpar.compression.replica_state import per_replica
-from tfpar.loop.aggregation import GradientAggregator, communicates, densify_if_smaller
+from tfpar.aggregation import GradientAggregator, communicates, densify_if_smaller
 from tfpar.strategy import private_api
 
 PER_REPLICA = "per_replica"  # the checkpoint child holding every replica's state

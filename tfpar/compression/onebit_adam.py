@@ -56,7 +56,7 @@ from tfpar.compression.compressed_aggregator import Compression, _check_dtype_su
 from tfpar.compression.replica_state import SAME, THIS_COUNT, per_replica
 from tfpar.compression.compressors import CompressionError, Sign
 from tfpar.compression.policy import Policy, start_compressor
-from tfpar.loop.aggregation import communicates
+from tfpar.aggregation import communicates
 from tfpar.strategy import private_api
 
 DEFAULTS = {"beta_1": 0.9, "beta_2": 0.999, "epsilon": 1e-7, "clip_norm": 0.0}  # Keras Adam's

@@ -1,15 +1,15 @@
-"""tfpar's own training loop: Trainer and the gradient-aggregation seam.
+"""tfpar's own training loop: the Trainer, and (re-exported) the gradient-aggregation seam.
 
-Names load on first use, so `tfpar.compression` can build on the aggregation contract
-(`tfpar.loop.aggregation`) without importing the Trainer, which imports compression.
+The aggregation contract lives below the loop, in `tfpar.aggregation`, where the loop,
+compression and ZeRO all look down to it. Names load on first use.
 """
 
 import importlib
 
 _NAMES = {
-    "AllReduce": "tfpar.loop.aggregation",
-    "GradientAggregator": "tfpar.loop.aggregation",
-    "NoReduce": "tfpar.loop.aggregation",
+    "AllReduce": "tfpar.aggregation",
+    "GradientAggregator": "tfpar.aggregation",
+    "NoReduce": "tfpar.aggregation",
     "Trainer": "tfpar.loop.trainer",
     "TrainerError": "tfpar.loop.trainer",
 }

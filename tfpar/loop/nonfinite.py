@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from tfpar.compression import accounting
 from tfpar.errors import NonFiniteError
-from tfpar.loop.aggregation import communicates
+from tfpar.aggregation import communicates
 
 POLICIES = ("stop", "skip", "ignore")
 

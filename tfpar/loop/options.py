@@ -13,7 +13,7 @@ from tfpar.compression.compressed_aggregator import Compression
 from tfpar.compression.compressors import Compressor
 from tfpar.errors import TfparError
 from tfpar.loop import parameter_server
-from tfpar.loop.aggregation import AllReduce, GradientAggregator, NoReduce
+from tfpar.aggregation import AllReduce, GradientAggregator, NoReduce
 from tfpar.loop.nonfinite import SkippedStepState
 from tfpar.placement import tpu_cores
 from tfpar.placement.plan import PlacementError, is_multi_worker_mirrored

@@ -34,7 +34,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfpar.compression import accounting
-from tfpar.loop.aggregation import GradientAggregator
+from tfpar.aggregation import GradientAggregator
 from tfpar.models.tensor_parallel import Layout, TensorParallelError, shard_slots, spec_of
 from tfpar.strategy import private_api
 

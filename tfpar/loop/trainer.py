@@ -28,12 +28,12 @@ from typing import Sequence
 import keras
 import tensorflow as tf
 
-from tfpar import evaluation
+from tfpar import evaluation, zero
+from tfpar.aggregation import GradientAggregator
 from tfpar.compression import accounting
 from tfpar.compression.compressed_aggregator import Compression
 from tfpar.compression.compressors import Compressor
-from tfpar.loop import parameter_server, sharding
-from tfpar.loop.aggregation import GradientAggregator
+from tfpar.loop import parameter_server
 from tfpar.loop.forward_backward import ForwardBackward
 from tfpar.loop.nonfinite import POLICIES as NONFINITE_POLICIES
 from tfpar.loop.nonfinite import NonFiniteGuard
@@ -89,9 +89,9 @@ class Trainer:
         is finite (a held 1-bit Adam step, an unsent top-k entry): one scalar all-reduce
         a step, as DeepSpeed's overflow check.
       shard: "none" (default), "optimizer" (ZeRO-1) or "gradients" (ZeRO-2), or a
-        tfpar.loop.sharding.ShardedUpdate: each replica keeps and updates 1/R of the
+        tfpar.zero.update.ZeroUpdate: each replica keeps and updates 1/R of the
         optimizer state (with "gradients" also 1/R of the accumulated gradients), the same
-        update as Keras's optimizer (see tfpar.loop.sharding). Its optimizer state is
+        update as Keras's optimizer (see tfpar.zero.update). Its optimizer state is
         checkpointed as `checkpoint_items()["optimizer"]`, in Keras's layout.
       xla: jit-compile forward + backward (default on). The compiled function is pure:
         it takes the variables' values as tensors (Keras `stateless_call`), which is what
@@ -105,7 +105,7 @@ class Trainer:
                  aggregator: GradientAggregator | None = None,
                  compression: Compressor | Compression | None = None, placement=None,
                  nonfinite: str = "stop", xla: bool | None = None, sum_sparse_rows: bool = True,
-                 shard: str | sharding.ShardedUpdate = "none"):
+                 shard: str | zero.ZeroUpdate = "none"):
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.strategy = strategy or tf.distribute.get_strategy()
         if steps_per_loop < 1 or accumulate < 1:
@@ -120,7 +120,7 @@ class Trainer:
         keras_fixes.apply_and_report()  # accumulation and EMA under mirrored need fix 4
         self.aggregator = aggregator_for(self.strategy, aggregator, compression, model)
         self._tensor_layout = tensor_parallel_layout(model)  # None: the model is not split
-        self._sharded = sharding.sharded_update(shard)
+        self._sharded = zero.zero_update(shard)
         if self._sharded is not None:  # refused by name before anything is built
             self._sharded.configure(self.strategy, optimizer, self.aggregator, placement, nonfinite)
         self.aggregator.check_optimizer(optimizer)

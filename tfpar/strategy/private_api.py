@@ -33,7 +33,7 @@ Touches:
   (`tfpar.compression.replica_state`, `Compression`).
 - `CollectiveReplicaLauncher._all_gather`, `_next_instance_key`, `_get_ordering_token`,
   `_device`, `_options` and `gen_collective_ops.collective_reduce_scatter_v2` (TensorFlow):
-  the sharded update (tfpar.loop.sharding) gathers equal-sized shards without the shape
+  the sharded update (tfpar.zero.update) gathers equal-sized shards without the shape
   exchange `all_gather` adds, and reduce-scatters with NCCL on GPUs, keyed and ordered like
   the strategy's own collectives (`launcher_all_gather_same_shape`,
   `launcher_reduce_scatter`).

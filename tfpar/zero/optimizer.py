@@ -1,7 +1,7 @@
 """The user's Keras optimizer, run on this replica's shard of the parameters.
 
 A copy of the optimizer (`from_config`, with the caller's learning rate or schedule and
-step counter themselves) is built on one piece per variable (tfpar.loop.shard_layout):
+step counter themselves) is built on one piece per variable (tfpar.zero.partitions):
 Keras creates its slots (Adam's m and v, momentum, EMA averages) from those pieces, so each
 replica holds 1/R of them, as per-replica (ON_READ) variables. Each step then does what
 Keras's `apply` does, in the same order and with Keras's own arithmetic, on the pieces:
@@ -18,7 +18,7 @@ whole matrix), ScheduleFreeAdamW (swaps the model's weights for evaluation), Mul
 and custom optimizers (their update may read the whole variable).
 
 Example:
-    >>> shard = ShardOptimizer(keras.optimizers.AdamW(1e-3, global_clipnorm=1.0))
+    >>> shard = PartitionedOptimizer(keras.optimizers.AdamW(1e-3, global_clipnorm=1.0))
     >>> shard.build(layout, model.trainable_variables)   # under strategy.scope()
     >>> shard.apply(grads, all_reduce)                   # replica context: the pieces move
 """
@@ -82,7 +82,7 @@ def _per_replica_variables():
         yield
 
 
-class ShardOptimizer:
+class PartitionedOptimizer:
     """The user's optimizer (a LossScaleOptimizer's inner one under fp16) on the pieces.
 
     Attributes (after `build`): `pieces` (this replica's chunk of each variable: the working
@@ -222,7 +222,7 @@ def _copy(base):
     clone = type(base).from_config(config)
     object.__setattr__(clone, "_iterations", base._iterations)  # pylint: disable=protected-access
     object.__setattr__(clone, "_learning_rate", rate)
-    return clone  # weight decay: its flags are read from `base` (ShardOptimizer.decays)
+    return clone  # weight decay: its flags are read from `base` (PartitionedOptimizer.decays)
 
 
 def _lamb(clone, pairs, lr, all_reduce) -> None:

@@ -12,7 +12,7 @@ written (on this worker's host; across workers by an all-gather that every worke
 as every worker saves), never when one is restored.
 
 Example:
-    >>> tf.train.Checkpoint(optimizer=OptimizerView(shard_optimizer, layout, ranks))
+    >>> tf.train.Checkpoint(optimizer=optimizer_view(partitioned_optimizer, layout, ranks))
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from tfpar.strategy import private_api
 VALUE = "VARIABLE_VALUE"  # the attribute every tf.Variable saves under
 
 
-class ShardValue(tf.__internal__.tracking.Trackable):
+class PartitionValue(tf.__internal__.tracking.Trackable):
     """One per-replica slot of variable `index`, saved and restored whole."""
 
     def __init__(self, variable, index: int, layout, ranks: dict[int, int]):
@@ -95,7 +95,7 @@ def _inner_view(shard, layout, ranks):
         if k < shard.own_variables:  # the copy's own counter and rate: the caller's are saved
             continue
         index = shard.slot_of.get(k)
-        slots[str(k)] = variable if index is None else ShardValue(variable, index, layout, ranks)
+        slots[str(k)] = variable if index is None else PartitionValue(variable, index, layout, ranks)
     return _Children({**_counter_and_rate(shard.base), **_trainable(shard), "_variables": _Children(slots)})
 
 

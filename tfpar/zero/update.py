@@ -1,8 +1,8 @@
 """Sharded data parallelism (ZeRO-1 and ZeRO-2) in tfpar's loop: `Trainer(shard=...)`.
 
 Each replica updates only its own 1/R of the parameters (a chunk of every variable, see
-tfpar.loop.shard_layout) with its own 1/R of the optimizer state (the user's Keras
-optimizer run on the chunks, tfpar.loop.shard_optimizer), and the updated chunks are
+tfpar.zero.partitions) with its own 1/R of the optimizer state (the user's Keras
+optimizer run on the chunks, tfpar.zero.optimizer), and the updated chunks are
 all-gathered back into every replica's copy of the model. Per step:
 
     gradients --reduce-scatter--> this replica's chunk of their sum
@@ -40,11 +40,11 @@ import tensorflow as tf
 
 from tfpar.compression import accounting
 from tfpar.errors import ShardingError
-from tfpar.loop import shard_checkpoint
-from tfpar.loop.shard_checks import (GRADIENTS, MODES, NONE, OPTIMIZER, WIRE_DTYPE_ONLY,  # noqa: F401
+from tfpar.zero import checkpoint as zero_checkpoint
+from tfpar.zero.checks import (GRADIENTS, MODES, NONE, OPTIMIZER, WIRE_DTYPE_ONLY,  # noqa: F401
                                      check_shard, check_variable, compression_name)
-from tfpar.loop.shard_layout import BUCKET_BYTES, ShardCollectives, ShardLayout, replica_ranks
-from tfpar.loop.shard_optimizer import ShardOptimizer
+from tfpar.zero.partitions import BUCKET_BYTES, PartitionCollectives, PartitionLayout, replica_ranks
+from tfpar.zero.optimizer import PartitionedOptimizer
 from tfpar.strategy import private_api
 
 GRADIENT_SCOPE = "tfpar_gradients_held"  # the gradient buffer a step holds until its update
@@ -63,8 +63,8 @@ def _held(tensors: list) -> list:
         return [tf.identity(t) for t in tensors]
 
 
-class ShardedUpdate:
-    """The Trainer's sharded update: build it with `Trainer(shard=ShardedUpdate(mode, ...))`
+class ZeroUpdate:
+    """The Trainer's sharded update: build it with `Trainer(shard=ZeroUpdate(mode, ...))`
     to choose the bucket size; `Trainer(shard=mode)` makes one (see module docstring).
 
     Args:
@@ -74,7 +74,7 @@ class ShardedUpdate:
 
     def __init__(self, mode: str, bucket_bytes: int = BUCKET_BYTES):
         if check_shard(mode) == NONE:
-            raise ShardingError("ShardedUpdate('none') shards nothing: pass shard='none' to the Trainer.")
+            raise ShardingError("ZeroUpdate('none') shards nothing: pass shard='none' to the Trainer.")
         self.mode, self.bucket_bytes = mode, bucket_bytes
         self.shard = self.layout = self.strategy = self._aggregator = None
         self._ranks, self._policy, self._view = {}, "stop", None
@@ -82,7 +82,7 @@ class ShardedUpdate:
     def configure(self, strategy, optimizer, aggregator, placement, nonfinite: str) -> None:
         """Checks the Trainer's options (ShardingError by name) before anything is built."""
         from tfpar.compression import Compression  # pylint: disable=import-outside-toplevel
-        from tfpar.loop.aggregation import AllReduce  # pylint: disable=import-outside-toplevel
+        from tfpar.aggregation import AllReduce  # pylint: disable=import-outside-toplevel
         from tfpar.strategy.describe import strategy_kind  # pylint: disable=import-outside-toplevel
 
         check_shard(self.mode, strategy_kind(strategy), aggregator if isinstance(aggregator, Compression)
@@ -97,16 +97,16 @@ class ShardedUpdate:
                                 "shard='optimizer' (the aggregator's sum, then each replica's chunk).")
         self.strategy, self._policy = strategy, nonfinite
         self._aggregator = None if isinstance(aggregator, AllReduce) else aggregator
-        self.shard = ShardOptimizer(optimizer)
+        self.shard = PartitionedOptimizer(optimizer)
 
     def build(self, variables) -> None:
         """Under `strategy.scope()`: the layout, the ranks, the optimizer on the chunks."""
         for variable in variables:
             check_variable(variable)
-        self.layout = ShardLayout(variables, self.strategy.num_replicas_in_sync, self.bucket_bytes)
+        self.layout = PartitionLayout(variables, self.strategy.num_replicas_in_sync, self.bucket_bytes)
         self._ranks = replica_ranks(self.strategy)
         self.shard.build(self.layout, variables)
-        self._view = shard_checkpoint.optimizer_view(self.shard, self.layout, self._ranks)
+        self._view = zero_checkpoint.optimizer_view(self.shard, self.layout, self._ranks)
 
     # -- the step (replica context) ------------------------------------------------------
 
@@ -118,7 +118,7 @@ class ShardedUpdate:
         """One step on this replica: `passes` yields (loss, gradients) per micro-batch,
         `aggregate` is the Trainer's aggregator (with its skipped-step state); returns the
         summed loss."""
-        comm = ShardCollectives(tf.distribute.get_replica_context(), self._ranks)
+        comm = PartitionCollectives(tf.distribute.get_replica_context(), self._ranks)
         unscale = None if self.shard.scale is None else 1.0 / self.loss_scale()
         total = full = shard = updated = None
         for loss, grads in passes:
@@ -143,7 +143,7 @@ class ShardedUpdate:
 
     @staticmethod
     def _dense(gradient, variable, unscale):
-        if gradient is None:  # Keras leaves such a variable alone (see ShardOptimizer.apply)
+        if gradient is None:  # Keras leaves such a variable alone (see PartitionedOptimizer.apply)
             return tf.zeros(variable.shape, variable.dtype)
         # a sparse gradient: its rows summed, dense, with the variable's static shape
         gradient = tf.ensure_shape(tf.convert_to_tensor(gradient), variable.shape)
@@ -238,14 +238,14 @@ class ShardedUpdate:
             return
 
         def replica():
-            comm = ShardCollectives(tf.distribute.get_replica_context(), self._ranks)
+            comm = PartitionCollectives(tf.distribute.get_replica_context(), self._ranks)
             self._gather_into(comm, self.shard.averages(), variables, constrain=False)
 
         tf.function(lambda: self.strategy.run(replica))()
 
     def checkpoint_items(self) -> dict:
         """{'optimizer': the sharded optimizer, in Keras's checkpoint layout} (see
-        tfpar.loop.shard_checkpoint): pass it where the optimizer would go."""
+        tfpar.zero.checkpoint): pass it where the optimizer would go."""
         return {"optimizer": self._view}
 
     def state_variables(self) -> list:
@@ -259,11 +259,11 @@ class ShardedUpdate:
         return [v for v in (*own, *shared, *scale) if isinstance(v, (tf.Variable, keras.Variable))]
 
 
-def sharded_update(shard) -> ShardedUpdate | None:
-    """The Trainer's `shard` option as a ShardedUpdate (None: 'none'); a wrong name is refused."""
-    if isinstance(shard, ShardedUpdate):
+def zero_update(shard) -> ZeroUpdate | None:
+    """The Trainer's `shard` option as a ZeroUpdate (None: 'none'); a wrong name is refused."""
+    if isinstance(shard, ZeroUpdate):
         return shard
-    return None if check_shard(shard) == NONE else ShardedUpdate(shard)
+    return None if check_shard(shard) == NONE else ZeroUpdate(shard)
 
 
 def state_bytes(trainer) -> dict:

@@ -1,4 +1,7 @@
-"""The gradient-aggregation seam of tfpar's loop: one declared contract.
+"""The gradient-aggregation seam of tfpar's loop: one declared contract, below its users.
+
+The loop (tfpar.loop), compression (tfpar.compression) and ZeRO (tfpar.zero) all look down
+to this module; it imports none of them.
 
 An aggregator receives this replica's gradients in the replica context and returns the
 gradients summed over all replicas. The Trainer calls it exactly once per step and then

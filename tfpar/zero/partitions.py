@@ -13,7 +13,7 @@ reduce-scatter leaves each replica the sum of its own row ([C]), and the all-gat
 updated pieces ([C] each) gives [R, C] back, which `unrows` turns into whole variables. A
 bucket bounds the full-size concatenation that exists at one time.
 
-Collectives (`ShardCollectives`, replica context, inside tf.function):
+Collectives (`PartitionCollectives`, replica context, inside tf.function):
 
 - reduce-scatter: CollectiveReduceScatterV2 on NCCL (GPUs); elsewhere TensorFlow has no
   implementation of it ("did not find collective implementation undef" on CPU), and an
@@ -27,9 +27,9 @@ and ordering token; see tfpar.strategy.private_api), so they also run inside a `
 branch, where a merge_call cannot.
 
 Example:
-    >>> layout = ShardLayout(model.trainable_variables, replicas=2)
+    >>> layout = PartitionLayout(model.trainable_variables, replicas=2)
     >>> layout.chunks           # elements each replica holds of each variable
-    >>> comm = ShardCollectives(tf.distribute.get_replica_context(), ranks)
+    >>> comm = PartitionCollectives(tf.distribute.get_replica_context(), ranks)
     >>> mine = comm.reduce_scatter(layout.rows(grads, layout.buckets[0]))   # [C]
 """
 
@@ -48,7 +48,7 @@ from tfpar.strategy import private_api
 BUCKET_BYTES = 32 * 2 ** 20
 
 
-class ShardLayout:
+class PartitionLayout:
     """Which elements of which variable each replica owns (see module docstring).
 
     Args:
@@ -139,7 +139,7 @@ def _size(path: str, shape: tuple) -> int:
     return size
 
 
-class ShardCollectives:
+class PartitionCollectives:
     """The sharded update's collectives in one replica context (see module docstring).
 
     Args:

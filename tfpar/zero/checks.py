@@ -1,4 +1,4 @@
-"""What the sharded update (tfpar.loop.sharding) refuses, by name, before anything is built.
+"""What the sharded update (tfpar.zero.update) refuses, by name, before anything is built.
 
 `check_shard` is also what the training binary calls to validate `--config.parallel.shard`
 against the strategy, the compression and the placement it was given.
