@@ -24,7 +24,8 @@ setup(
     extras_require={
         # pytest < 9.2: pytest-xdist 3.8's --dist loadgroup renames item._nodeid, which pytest
         # 9.2 no longer reads, so xdist_group marks were ignored (the convergence runs twice)
-        "test": ["pytest>=7,<9.2", "pytest-timeout", "pytest-xdist", "nbclient", "nbformat", "ipykernel", "allpairspy>=2.5"],  # notebooks run in the tests; allpairspy: test_matrix's cases
+        "test": ["pytest>=7,<9.2", "pytest-timeout", "pytest-xdist", "nbclient", "nbformat", "ipykernel", "allpairspy>=2.5",
+                 "keras-hub>=0.21,<0.33"],  # notebooks run in the tests; allpairspy: test_matrix's cases; keras-hub: models not tfpar's (ZeRO, tensor parallelism)
         # TPU VMs (Colab, Kaggle, Cloud TPU): TensorFlow's TPU build is its own distribution,
         # 2.20 the newest. tfpar is not on PyPI: from the clone, `pip install -e ".[tpu]" -f
         # https://storage.googleapis.com/libtpu-tf-releases/index.html` (Colab's -f: Google's
