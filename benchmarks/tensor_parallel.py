@@ -61,7 +61,7 @@ def _setting(strategy, degree: int, args):
 
 
 def _bytes_per_device(variables) -> dict[str, int]:
-    from tfpar.models.tensor_parallel import shards
+    from tfpar.tensor_parallel import shards
 
     held: dict[str, int] = {}
     for variable in variables:

@@ -37,17 +37,23 @@ def _batch_sums(model, x, y, w):
     ])
 
 
-_STEPS: dict = {}  # (model, strategy, jit) -> traced eval step: evaluating again does not retrace
+_STEPS: dict = {}  # (model, strategy, jit, check) -> traced eval step: evaluating again does not retrace
 
 
-def _eval_step(model, strategy, jit: bool):
-    key = (id(model), id(strategy), jit)
+def _eval_step(model, strategy, jit: bool, batch_check=None):
+    key = (id(model), id(strategy), jit, id(batch_check))
     if key not in _STEPS:
         sums = tf.function(lambda batch: _batch_sums(model, *batch), jit_compile=jit)
 
+        def replica(batch):
+            found = sums(batch)
+            if batch_check is None:
+                return found
+            return tf.concat([found, batch_check(batch)[None]], 0)
+
         @tf.function
         def step(iterator):
-            per_replica = strategy.run(sums, args=(next(iterator),))
+            per_replica = strategy.run(replica, args=(next(iterator),))
             return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
         if len(_STEPS) > 16:
@@ -56,19 +62,22 @@ def _eval_step(model, strategy, jit: bool):
     return _STEPS[key][2]
 
 
-def evaluate(model, strategy: tf.distribute.Strategy, dataset, steps: int, xla: bool = False) -> dict:
+def evaluate(model, strategy: tf.distribute.Strategy, dataset, steps: int, xla: bool = False,
+             batch_check=None) -> dict:
     """Runs `steps` global batches of `dataset` (x, y, weight); returns exact metrics.
 
     `xla` compiles the forward pass on a single replica. With several replicas it stays
     off: a jit-compiled replica function reads mirrored variables from the wrong device
     ("Trying to access resource ... located in device CPU:1 from device CPU:0").
+    `batch_check(batch)`: a scalar per replica, non-zero when its batch is wrong (a
+    tensor-parallel group's replicas must share one); summed into `batch_check`.
     """
-    step = _eval_step(model, strategy, xla and strategy.num_replicas_in_sync == 1)
+    step = _eval_step(model, strategy, xla and strategy.num_replicas_in_sync == 1, batch_check)
     iterator = iter(dataset)
-    totals = tf.zeros([5], tf.float64)
+    totals = tf.zeros([5 if batch_check is None else 6], tf.float64)
     for _ in range(steps):
         totals += tf.cast(step(iterator), tf.float64)
-    loss_sum, correct, weight, exact, examples = totals.numpy().tolist()
+    loss_sum, correct, weight, exact, examples, *checked = totals.numpy().tolist()
     loss = loss_sum / max(weight, 1e-12)
     return {
         "loss": loss,
@@ -76,4 +85,5 @@ def evaluate(model, strategy: tf.distribute.Strategy, dataset, steps: int, xla: 
         "accuracy": correct / max(weight, 1e-12),
         "exact": exact / max(examples, 1e-12),
         "examples": examples,
+        **({"batch_check": checked[0]} if checked else {}),
     }

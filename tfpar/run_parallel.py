@@ -7,7 +7,7 @@ model built split or placed, and what the Trainer gets (tfpar.run calls these).
   multi_worker_mirrored every worker runs one pipeline per local replica on its own
   devices: data parallel over the workers, pipelined on each.
 - Tensor (`parallel.tensor` = T): the strategy's replicas form groups of T consecutive
-  replicas (tfpar.models.tensor_parallel.Layout); each group sees one batch.
+  replicas (tfpar.tensor_parallel.Layout); each group sees one batch.
 - Shard (`parallel.shard`): `Trainer(shard=...)`.
 
 Example:
@@ -153,7 +153,7 @@ def sampling_model(config, model):
     """A model that runs from Python: a tensor-parallel model's unsplit copy."""
     if config.parallel.tensor == 1:
         return model
-    from tfpar.models import tensor_parallel  # pylint: disable=import-outside-toplevel
+    from tfpar import tensor_parallel  # pylint: disable=import-outside-toplevel
 
     return tensor_parallel.unsplit(model)
 

@@ -42,7 +42,7 @@ def main() -> None:
     import keras
     import tensorflow as tf
 
-    from tfpar.models import tensor_parallel as tp
+    from tfpar import tensor_parallel as tp
     from tfpar.models.gpt import GPT
 
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]

@@ -54,8 +54,8 @@ def aggregator_for(strategy, aggregator: GradientAggregator | None,
 
 
 def tensor_parallel_layout(model):
-    """The model's tensor-parallel Layout (tfpar.models.tensor_parallel), None if unsplit."""
-    from tfpar.models import tensor_parallel  # pylint: disable=import-outside-toplevel
+    """The model's tensor-parallel Layout (tfpar.tensor_parallel), None if unsplit."""
+    from tfpar import tensor_parallel  # pylint: disable=import-outside-toplevel
 
     return tensor_parallel.layout_of(model)
 

@@ -2,16 +2,18 @@
 
 The replicas of a tensor-parallel (TP) group see the same batch. A split weight's gradient
 on TP rank r is the gradient of shard r, held by no other rank of the group: summing it
-across the group would add different shards together. A replicated weight's gradient (a
-norm, an embedding, a row-parallel bias) is the same on every rank of the group already
-(every rank computes it from the same whole activations): summing it would count it T
-times. So each gradient is summed over its data-parallel (DP) group only (the replicas
-with the same TP rank: the same shards, different batches), once, in one batched
-all-reduce; with one TP group (T = all replicas) nothing is all-reduced at all.
+across the group would add different shards together, so it is summed over its
+data-parallel (DP) group only (the replicas with the same TP rank: the same shards,
+different batches). A replicated weight (a norm, an embedding, the head, a row-parallel
+bias) gets the same gradient on every rank of a group, up to the order of the sums the
+ranks do: its gradient is summed over all N = R x T replicas (T times the sum over the DP
+group), one all-reduce whose result is the same bits on every replica, so the replicated
+weights stay bit-identical on every replica of every group however each rank computed them.
 
-The Trainer's loss divides each replica's share by all N = R x T replicas (the loss it
-reports sums them); the TP group's gradient is the group's share, so the gradients are
-multiplied by T (exact for T a power of two).
+The Trainer's loss divides each replica's share by all N replicas (the loss it reports
+sums them); a split gradient is the group's share divided by T, so split gradients are
+multiplied by T (exact for T a power of two); summed over N, a replicated one is already
+whole.
 
 Keras's optimizer then updates each replica's copy (its shard) with its own gradient.
 Its global-norm clip would see only this replica's shards: the norm of the whole gradient
@@ -21,9 +23,11 @@ own clip then sees a norm at most the threshold and changes nothing. A non-finit
 makes every gradient NaN on every replica, so the non-finite policy and fp16's loss scale
 decide alike on every rank.
 
-Refused: compression (it would replace this sum), per-variable `clipnorm` and LAMB (they
-need each whole variable's norm), `use_ema` (its average is taken in the cross-replica
-context, which reads one shard).
+Optimizers: an allow-list, as under ZeRO (`SUPPORTED`: those whose update of an element
+reads only that element and a few scalars, so a shard updates as its part of the whole).
+Refused: compression (it would replace these sums), per-variable `clipnorm` (it needs each
+whole variable's norm), LAMB, Adafactor, Muon and any optimizer not listed, `use_ema` (its
+average is taken in the cross-replica context, which reads one shard).
 
 Example:
     >>> aggregator = TensorParallelSum(layout_of(model))   # tfpar.Trainer picks it itself
@@ -33,14 +37,47 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfpar.compression import accounting
 from tfpar.aggregation import GradientAggregator
-from tfpar.models.tensor_parallel import Layout, TensorParallelError, shard_slots, spec_of
+from tfpar.compression import accounting
 from tfpar.strategy import private_api
+from tfpar.tensor_parallel import Layout, TensorParallelError, shard_slots, spec_of
+from tfpar.zero.optimizer import ELEMENTWISE
+
+SUPPORTED = ", ".join(c.__name__ for c in ELEMENTWISE)
+WHY_NOT = {
+    "Lamb": "scales each variable's update by norms of the whole variable",
+    "Adafactor": "factors its second moment over each whole matrix's rows and columns",
+    "Muon": "orthogonalises each whole matrix (Newton-Schulz)",
+    "ScheduleFreeAdamW": "swaps the model's weights for evaluation in the cross-replica context",
+}
+
+
+def check_tensor_parallel_optimizer(optimizer) -> None:
+    """Raises TensorParallelError, naming why and what to use, for an optimizer that cannot
+    update a shard as its part of the whole weight."""
+    base = private_api.base_optimizer(optimizer)
+    name = type(base).__name__
+    if type(base) not in ELEMENTWISE:
+        why = WHY_NOT.get(name, "is not one tfpar knows to update element by element (a custom "
+                                "update_step may read the whole variable)")
+        raise TensorParallelError(f"Tensor parallelism cannot run {name} on a shard of a split weight: it "
+                                  f"{why}, which a tensor-parallel replica holds only a shard of. "
+                                  f"Optimizers that train split weights: {SUPPORTED} "
+                                  "(--config.optimizer.name=adamw).")
+    if base.clipnorm:
+        raise TensorParallelError(
+            f"clipnorm={base.clipnorm} clips each variable by its own norm, which a "
+            "tensor-parallel replica holds only a shard of: use global_clipnorm (the norm "
+            "of the whole gradient, agreed across the TP group).")
+    if base.use_ema:
+        raise TensorParallelError(
+            "use_ema averages the weights in the cross-replica context, which reads one "
+            "shard for every replica: train without use_ema under tensor parallelism.")
 
 
 class TensorParallelSum(GradientAggregator):
-    """Sums each gradient over its data-parallel group only (see module docstring)."""
+    """Sums split gradients over their data-parallel group and replicated ones over every
+    replica (see module docstring)."""
 
     def __init__(self, layout: Layout):
         self.layout = layout
@@ -49,44 +86,41 @@ class TensorParallelSum(GradientAggregator):
         self._split: list[bool] = []
 
     def check_optimizer(self, optimizer) -> None:
-        base = private_api.base_optimizer(optimizer)
-        if getattr(base, "clipnorm", None):
-            raise TensorParallelError(
-                f"clipnorm={base.clipnorm} clips each variable by its own norm, which a "
-                "tensor-parallel replica holds only a shard of: use global_clipnorm (the norm "
-                "of the whole gradient, agreed across the TP group).")
-        if type(base).__name__ in ("Lamb", "Adafactor"):
-            raise TensorParallelError(
-                f"{type(base).__name__} scales each variable's update by norms of the whole "
-                "variable, which a tensor-parallel replica holds only a shard of: use AdamW, Adam "
-                "or SGD (--config.optimizer.name=adamw).")
-        if getattr(base, "use_ema", False):
-            raise TensorParallelError(
-                "use_ema averages the weights in the cross-replica context, which reads one "
-                "shard for every replica: train without use_ema under tensor parallelism.")
-        self.clip_norm = getattr(base, "global_clipnorm", None) or None
+        check_tensor_parallel_optimizer(optimizer)
+        self.clip_norm = private_api.base_optimizer(optimizer).global_clipnorm or None
 
     def build(self, variables) -> None:
         self._variables = list(variables)
         self._split = [spec_of(v) is not None for v in self._variables]
 
     def optimizer_for(self, optimizer):
-        """Builds the optimizer now (its slots of a split weight are shards too) and gives
-        those slots whole-value checkpoints."""
-        optimizer.build(self._variables)
+        """Builds the optimizer now (its slots of a split weight are shards too, matched by
+        the weight each was made from) and gives those slots whole-value checkpoints."""
         shard_slots(optimizer, self._variables, self.layout)
         return optimizer
 
     def __call__(self, gradients, variables):
         replica = self.layout.here()
-        degree = tf.constant(float(self.layout.degree))
-        grads = [tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g) * tf.cast(degree, g.dtype)
+        degree = float(self.layout.degree)
+        grads = [tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g)
                  for g, v in zip(gradients, variables)]
+        split = [i for i, s in enumerate(self._split) if s]
+        whole = [i for i, s in enumerate(self._split) if not s]
+        summed = list(grads)
         launcher = self.layout.dp_launcher(replica)
-        if launcher is not None:  # data x tensor parallel: one batched all-reduce per step
-            with tf.name_scope("tensor_parallel/data_parallel_sum"):
-                grads = launcher.batch_all_reduce([grads])
-        return self._clipped(grads, replica)
+        if split:
+            parts = [grads[i] * tf.cast(degree, grads[i].dtype) for i in split]
+            if launcher is not None:  # data x tensor parallel: one batched all-reduce
+                with tf.name_scope("tensor_parallel/data_parallel_sum"):
+                    parts = launcher.batch_all_reduce([parts])
+            for i, part in zip(split, parts):
+                summed[i] = part
+        if whole:
+            with tf.name_scope("tensor_parallel/replicated_sum"):  # every replica: the same bits
+                parts = self.layout.world_launcher(replica).batch_all_reduce([[grads[i] for i in whole]])
+            for i, part in zip(whole, parts):
+                summed[i] = part
+        return self._clipped(summed, replica)
 
     def _clipped(self, grads: list, replica: int) -> list:
         """Clips by the whole gradient's norm (Keras's formula); NaN everywhere when it is

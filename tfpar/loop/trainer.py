@@ -28,11 +28,12 @@ from typing import Sequence
 import keras
 import tensorflow as tf
 
-from tfpar import evaluation, zero
+from tfpar import evaluation, tensor_parallel, zero
 from tfpar.aggregation import GradientAggregator
 from tfpar.compression import accounting
 from tfpar.compression.compressed_aggregator import Compression
 from tfpar.compression.compressors import Compressor
+from tfpar.errors import ShardingError
 from tfpar.loop import parameter_server
 from tfpar.loop.forward_backward import ForwardBackward
 from tfpar.loop.nonfinite import POLICIES as NONFINITE_POLICIES
@@ -121,6 +122,11 @@ class Trainer:
         self.aggregator = aggregator_for(self.strategy, aggregator, compression, model)
         self._tensor_layout = tensor_parallel_layout(model)  # None: the model is not split
         self._sharded = zero.zero_update(shard)
+        if self._sharded is not None and self._tensor_layout is not None:
+            raise ShardingError(f"shard={self._sharded.mode!r} with a tensor-parallel model: its split "
+                                "weights differ between the replicas of a tensor-parallel group, and "
+                                "partitioning them again is not built. Use shard='none' with tensor "
+                                "parallelism.")
         if self._sharded is not None:  # refused by name before anything is built
             self._sharded.configure(self.strategy, optimizer, self.aggregator, placement, nonfinite)
         self.aggregator.check_optimizer(optimizer)
@@ -149,6 +155,8 @@ class Trainer:
                 synchronization=tf.VariableSynchronization.ON_READ,
                 aggregation=tf.VariableAggregation.SUM)
             self._guard = None if self._async else NonFiniteGuard(nonfinite)
+        self._batch_check = None if self._tensor_layout is None else tensor_parallel.GroupBatchCheck(
+            self._tensor_layout)  # its first step checks that a TP group shares its batch
         self._skipped_step_state = skipped_step_state(
             () if self._async else self.aggregator.state_variables(), skips, nonfinite)
         self.step = 0  # the next optimizer step; fit sets it from start_step
@@ -181,6 +189,8 @@ class Trainer:
 
     def _replica_step(self, batches: Sequence, index=0):
         variables = self.model.trainable_variables
+        if self._batch_check is not None:
+            self._batch_check.in_step(batches[0])
         if self._sharded is not None:
             passes = (self._forward_backward(*unpack(batch), self._loss_scale()) for batch in batches)
             total = self._sharded.replica_step(passes, variables, index, self._guard, self._aggregate)
@@ -257,6 +267,8 @@ class Trainer:
                 self._scheduled_loop, args=(iterator, tf.constant(steps))).fetch())
         else:
             loss, bad, first = self._train_loop(iterator, tf.constant(steps), self._phase(self.step))
+            if self._batch_check is not None:
+                self._batch_check.raise_if_differed()
             self._guard.after_call(bad, first, self.step)
             loss = float(loss)
         self.step += steps
@@ -372,6 +384,8 @@ class Trainer:
             if controller is not None:
                 controller.after_steps(n, loss)
 
+        if self._batch_check is not None:
+            self._batch_check.arm()
         callback_list.on_train_begin()
         callback_list.on_epoch_begin(0)
         self._run_chunks(iter(dataset), sizes, on_chunk, settle)
@@ -390,9 +404,15 @@ class Trainer:
         one distributed by the default strategy), the variables are read from the ps."""
         strategy = tf.distribute.get_strategy() if self._async else self.strategy
         local = not self._async and strategy.num_replicas_in_sync == 1  # XLA: variables here
-        results = evaluation.evaluate(self.model, strategy, dataset, steps, xla=self.xla and local)
-        layout = self._tensor_layout  # a TP group's T replicas see each example
-        return results if layout is None else {**results, "examples": results["examples"] / layout.degree}
+        layout = self._tensor_layout
+        check = None if layout is None else (lambda batch: tensor_parallel.batch_differs(batch, layout))
+        results = evaluation.evaluate(self.model, strategy, dataset, steps, xla=self.xla and local,
+                                      batch_check=check)
+        if layout is None:
+            return results
+        if results.pop("batch_check"):
+            raise tensor_parallel.mismatch_error(layout, "The evaluation dataset")
+        return {**results, "examples": results["examples"] / layout.degree}  # a TP group's T replicas see each
 
     def collective_ops(self, dataset) -> list[tuple[str, str]]:
         """(type, name) of every collective op in one traced train step, nested functions

@@ -6,6 +6,14 @@ one device and the feed-forward part on another:
     x = x + Dropout(SelfAttention(LayerNorm(x)))     # SelfAttentionStage
     x = x + Dropout(MLP(LayerNorm(x)))               # FeedForwardStage
 
+With `tensor_parallel=T` (built under a strategy with a multiple of T replicas) each stage
+splits as Megatron-LM splits it, with Keras's own layers and weights: attention by heads
+(the query, key and value kernels column-parallel, the output projection row-parallel),
+the MLP by its width (`up` column-parallel, `down` row-parallel); one f before each stage's
+split region, one g inside its row-parallel layer (tfpar.tensor_parallel). The split stage
+has the unsplit stage's layers, weight paths and initial values, so T is a performance
+switch: the same seed gives the same weights, the same files.
+
 Example:
     >>> h = SelfAttentionStage(dim=64, heads=4, causal=True)(h)
     >>> h = FeedForwardStage(dim=64, hidden=256)(h)
@@ -20,9 +28,18 @@ import keras
 import tensorflow as tf
 from keras import layers, ops
 
+from tfpar import tensor_parallel as tp
 from tfpar.models.staged import Stage
+from tfpar.strategy import private_api
 
 PACKAGE = "tfpar"
+
+#: Which weights of a stage are split, and along which axis (Megatron's layout; the
+#: paths are Keras's own: MultiHeadAttention's kernels are [dim, heads, head_dim] and
+#: [heads, head_dim, dim], so both split by heads).
+ATTENTION_SPLIT = ((r"(^|/)attention/(query|key|value)/kernel$", 1), (r"(^|/)attention/(query|key|value)/bias$", 0),
+                   (r"(^|/)attention/attention_output/kernel$", 0))
+FEED_FORWARD_SPLIT = ((r"(^|/)up/kernel$", 1), (r"(^|/)up/bias$", 0), (r"(^|/)down/kernel$", 0))
 _RECOMPUTE_CORE: contextvars.ContextVar = contextvars.ContextVar("recompute_core", default=False)
 
 
@@ -66,13 +83,34 @@ class CoreRecomputingAttention(layers.MultiHeadAttention):
         return tf.recompute_grad(core)(query, key, value), None
 
 
+@contextlib.contextmanager
+def _split_over(degree: int, rules):
+    """Yields the Layout of `degree`-way tensor parallelism (None for 1), inside which the
+    weights matching `rules` are created split."""
+    if degree == 1:
+        yield None
+        return
+    layout = tp.current_layout(degree)
+    with tp.split_weights(layout, rules):
+        yield layout
+
+
+def _copy_to_region(h, layout, name: str):
+    """f (tfpar.tensor_parallel.copy_to_region) where the stage is split."""
+    return h if layout is None else tp.copy_to_region(h, layout, name=f"{name}_f")
+
+
 @keras.saving.register_keras_serializable(PACKAGE)
 class SelfAttentionStage(layers.Layer):
-    """Pre-norm multi-head self-attention with a residual connection."""
+    """Pre-norm multi-head self-attention with a residual connection; heads split over
+    `tensor_parallel` replicas when it is above 1."""
 
-    def __init__(self, dim: int, heads: int, dropout: float = 0.0, causal: bool = False, **kwargs):
+    def __init__(self, dim: int, heads: int, dropout: float = 0.0, causal: bool = False,
+                 tensor_parallel: int = 1, **kwargs):
         super().__init__(**kwargs)
         self.dim, self.heads, self.dropout_rate, self.causal = dim, heads, dropout, causal
+        tp.check_divides(tensor_parallel, heads=heads)
+        self.tensor_parallel, self.layout = tensor_parallel, None
         self.norm = layers.LayerNormalization(epsilon=1e-5, name="norm")
         self.attention = CoreRecomputingAttention(
             num_heads=heads, key_dim=dim // heads, dropout=dropout, name="attention"
@@ -82,11 +120,15 @@ class SelfAttentionStage(layers.Layer):
 
     def build(self, input_shape):
         self.norm.build(input_shape)
-        self.attention.build(input_shape, input_shape)
+        with _split_over(self.tensor_parallel, ATTENTION_SPLIT) as self.layout:
+            self.attention.build(input_shape, input_shape)
+        if self.layout is not None:  # g before the output bias; the heads' dropout per rank
+            tp.row_parallel(self.attention.output_dense, self.layout, name=self.name)
+            tp.split_region_dropout(private_api.attention_dropout(self.attention), self.layout)
         self.built = True
 
     def call(self, x, training=None, mask=None):
-        h = self.norm(x)
+        h = _copy_to_region(self.norm(x), self.layout, self.name)
         attention_mask = None
         if mask is not None:
             attention_mask = ops.logical_and(ops.expand_dims(mask, 1), ops.expand_dims(mask, 2))
@@ -98,18 +140,21 @@ class SelfAttentionStage(layers.Layer):
     def compute_output_shape(self, input_shape):
         return input_shape
 
-    def get_config(self):
+    def get_config(self):  # the tensor-parallel degree is left out (a split stage saves whole)
         return {**super().get_config(), "dim": self.dim, "heads": self.heads,
                 "dropout": self.dropout_rate, "causal": self.causal}
 
 
 @keras.saving.register_keras_serializable(PACKAGE)
 class FeedForwardStage(layers.Layer):
-    """Pre-norm two-layer GELU MLP with a residual connection."""
+    """Pre-norm two-layer GELU MLP with a residual connection; its width split over
+    `tensor_parallel` replicas when it is above 1."""
 
-    def __init__(self, dim: int, hidden: int, dropout: float = 0.0, **kwargs):
+    def __init__(self, dim: int, hidden: int, dropout: float = 0.0, tensor_parallel: int = 1, **kwargs):
         super().__init__(**kwargs)
         self.dim, self.hidden, self.dropout_rate = dim, hidden, dropout
+        tp.check_divides(tensor_parallel, hidden=hidden)
+        self.tensor_parallel, self.layout = tensor_parallel, None
         self.norm = layers.LayerNormalization(epsilon=1e-5, name="norm")
         self.up = layers.Dense(hidden, activation="gelu", name="up")
         self.down = layers.Dense(dim, name="down")
@@ -118,12 +163,16 @@ class FeedForwardStage(layers.Layer):
 
     def build(self, input_shape):
         self.norm.build(input_shape)
-        self.up.build(input_shape)
-        self.down.build(tuple(input_shape[:-1]) + (self.hidden,))
+        with _split_over(self.tensor_parallel, FEED_FORWARD_SPLIT) as self.layout:
+            self.up.build(input_shape)
+            self.down.build(tuple(input_shape[:-1]) + (self.hidden,))
+        if self.layout is not None:  # g before down's bias
+            tp.row_parallel(self.down, self.layout, name=self.name)
         self.built = True
 
     def call(self, x, training=None):
-        return x + self.dropout(self.down(self.up(self.norm(x))), training=training)
+        h = _copy_to_region(self.norm(x), self.layout, self.name)
+        return x + self.dropout(self.down(self.up(h)), training=training)
 
     def compute_output_shape(self, input_shape):
         return input_shape
@@ -206,17 +255,15 @@ class PatchEmbedding(layers.Layer):
 
 def transformer_stages(config, causal: bool) -> list[Stage]:
     """The attention and feed-forward stages of `config.depth` blocks; with
-    `config.tensor_parallel` = T > 1, each split over T replicas
-    (tfpar.models.tensor_parallel)."""
+    `config.tensor_parallel` = T > 1, each split over T replicas (a degree below 1 is
+    refused by name)."""
     degree = getattr(config, "tensor_parallel", 1)
-    if degree != 1:  # split (a degree below 1 is refused there, by name)
-        from tfpar.models.tensor_parallel import parallel_transformer_stages  # pylint: disable=import-outside-toplevel
-
-        return parallel_transformer_stages(config, causal, degree)
     stages = []
     for i in range(config.depth):
         stages.append(Stage(f"blocks.{i}.attn", SelfAttentionStage(
-            config.dim, config.heads, config.dropout, causal=causal, name=f"block_{i}_attn")))
+            config.dim, config.heads, config.dropout, causal=causal, tensor_parallel=degree,
+            name=f"block_{i}_attn")))
         stages.append(Stage(f"blocks.{i}.mlp", FeedForwardStage(
-            config.dim, config.dim * config.mlp_ratio, config.dropout, name=f"block_{i}_mlp")))
+            config.dim, config.dim * config.mlp_ratio, config.dropout, tensor_parallel=degree,
+            name=f"block_{i}_mlp")))
     return stages

@@ -34,7 +34,7 @@ class GPT(StagedModel):
     """Decoder-only transformer LM: token+position embedding, causal pre-norm blocks, LM head.
 
     `tensor_parallel=T` splits every block over T replicas (attention by heads, the MLP by
-    its width; tfpar.models.tensor_parallel): build it under `strategy.scope()` of a
+    its width; tfpar.tensor_parallel): build it under `strategy.scope()` of a
     strategy with a multiple of T replicas and train it with tfpar.Trainer.
     """
 

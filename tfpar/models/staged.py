@@ -92,7 +92,11 @@ class StagedModel(keras.Model):
         return h
 
     def get_config(self):
-        return {**dataclasses.asdict(self.config), "name": self.name}
+        """The config, without the tensor-parallel degree: a split model saves, and its
+        config builds, the whole model (as keras.distribution leaves its layout out)."""
+        config = {**dataclasses.asdict(self.config), "name": self.name}
+        config.pop("tensor_parallel", None)
+        return config
 
     @classmethod
     def from_config(cls, config):

@@ -46,12 +46,21 @@ Touches:
   some of them (a tensor-parallel group, a data-parallel group). TensorFlow's own launcher
   over a device subset, with its own group keys, issues the same CollectiveReduceV2 and
   CollectiveGatherV2 (instance keys assigned at call time, an ordering token per device):
-  `group_launchers` (tfpar.models.tensor_parallel). The strategy's communication options
+  `group_launchers` (tfpar.tensor_parallel). The strategy's communication options
   (`extended._communication_options`: the collective timeout) go with them.
 - A MirroredVariable's `_serialize_to_tensors` / `_restore_from_tensors`, set on the
   instance (TensorFlow's checkpoint hooks; `trackable_has_serialize_to_tensor` reads the
   instance first): a tensor-parallel shard, whose copies differ on purpose, is checkpointed
   as its whole (unsplit) value and restored split (`set_checkpoint_hooks`).
+- `keras.layers.Layer.add_weight`, replaced for the duration of a tensor-parallel build
+  (`add_weight_replaced`), `keras.src.backend.common.name_scope.current_path`
+  (`weight_path`): a layer's weight is created split at the one place Keras creates it,
+  by its path, the way keras.distribution does on JAX (`Variable._initialize`); a split
+  weight's Keras variable gets a subclass of its own class that reads and writes the whole
+  value (`set_instance_class`), and an optimizer's slots are matched to the weight they
+  were made from by recording `add_variable_from_reference` while it builds
+  (`slots_by_reference`). MultiHeadAttention's `_dropout_layer` (`attention_dropout`):
+  inside the split region it draws per rank.
 - `tensorflow.python.training.saving.saveable_object.SaveSpec` with a callable: what a
   `_serialize_to_tensors` returns so that a value is computed only when a checkpoint is
   written (a restore builds the same specs and must not run a collective): `save_spec`.
@@ -383,3 +392,76 @@ def set_checkpoint_hooks(variable, serialize, restore) -> None:
     (a tf.Variable, e.g. a MirroredVariable) instead of its class's own saving."""
     variable._serialize_to_tensors = serialize  # pylint: disable=protected-access
     variable._restore_from_tensors = restore  # pylint: disable=protected-access
+
+
+# -- tensor parallelism: split weights inside Keras's own layers ---------------------
+
+def weight_path(layer, name: str) -> str:
+    """The path (`variable.path`) Keras will give the weight `name` that `layer` is about
+    to create: its current name scope (`keras.src.backend.common.name_scope.current_path`,
+    no public reader) plus the layer's own scope, as `Layer.add_weight` enters it."""
+    from keras.src import backend  # pylint: disable=import-outside-toplevel
+    from keras.src.backend.common.name_scope import current_path  # pylint: disable=import-outside-toplevel
+
+    with backend.name_scope(layer.name, caller=layer):
+        return f"{current_path()}/{name}".lstrip("/")
+
+
+@contextlib.contextmanager
+def add_weight_replaced(replacement) -> Iterator[None]:
+    """`keras.layers.Layer.add_weight` is `replacement(original, layer, *args, **kwargs)`
+    within the block, for every layer (one being built inside another's build included):
+    where a weight is created is the one place tfpar can create it split instead (Keras's
+    own hook, `Variable._initialize` -> `distribution_lib.distribute_variable`, runs on JAX
+    only). Restored on exit; blocks do not nest."""
+    original = keras.layers.Layer.add_weight
+
+    def add_weight(layer, *args, **kwargs):
+        return replacement(original, layer, *args, **kwargs)
+
+    keras.layers.Layer.add_weight = add_weight
+    try:
+        yield
+    finally:
+        keras.layers.Layer.add_weight = original
+
+
+def set_instance_class(instance, cls) -> None:
+    """`instance.__class__ = cls`: a split weight's Keras variable becomes a subclass of
+    its own class that reads and writes the whole value outside the replicas (the weight
+    APIs call `numpy()`, `np.asarray` and `assign` on the variable itself)."""
+    instance.__class__ = cls
+
+
+def slots_by_reference(optimizer, variables) -> list:
+    """Builds `optimizer` (and the one a LossScaleOptimizer wraps) on `variables` and
+    returns (slot, the variable it was made from) for every slot made by
+    `add_variable_from_reference` (recorded on the instance while it builds): what a slot
+    belongs to, from Keras itself, not from its name."""
+    made = []
+    targets = optimizers_of(optimizer)
+
+    def recording(target):
+        original = target.add_variable_from_reference
+
+        def record(reference, *args, **kwargs):
+            slot = original(reference, *args, **kwargs)
+            made.append((slot, reference))
+            return slot
+        return record
+
+    for target in targets:
+        object.__setattr__(target, "add_variable_from_reference", recording(target))
+    try:
+        optimizer.build(variables)
+    finally:
+        for target in targets:
+            object.__delattr__(target, "add_variable_from_reference")
+    return made
+
+
+def attention_dropout(attention):
+    """The Dropout a Keras MultiHeadAttention applies to its attention probabilities
+    (`_dropout_layer`, made in its build; no public accessor): inside a tensor-parallel
+    split region it draws its mask per rank (tfpar.tensor_parallel.random)."""
+    return attention._dropout_layer  # pylint: disable=protected-access

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 def multi_worker(context) -> bool:
     """Whether the replica context's strategy spans several workers."""
-    return getattr(context.strategy.extended, "_num_workers", 1) > 1
+    return spans_workers(context.strategy)
+
+
+def spans_workers(strategy) -> bool:
+    """Whether the strategy's replicas live in several worker processes."""
+    return getattr(strategy.extended, "_num_workers", 1) > 1
 
 
 def communicates(context) -> bool:

@@ -113,9 +113,22 @@ def fix_make_function(original):
     return _make_function
 
 
-# -- 3. a clear refusal under parameter-server strategies ----------------------------
+# -- 3. a clear refusal where Keras's trainer cannot run ------------------------------
+
+#: Further checks of fix 3, registered by the packages that need them: `check(model)`
+#: returns the error to raise (e.g. tensor parallelism: a split model), or None.
+REFUSALS: list = []
+
+
+def add_refusal(check) -> None:
+    """Makes fix 3 also raise `check(model)`'s error, when it returns one (idempotent)."""
+    if check not in REFUSALS:
+        REFUSALS.append(check)
+
 
 def refuse_parameter_server(original):
+    """Keras's fit/evaluate/predict, refused by name under ParameterServerStrategy and for
+    what a registered check refuses (REFUSALS)."""
     @functools.wraps(original)
     def method(self, *args, **kwargs):
         strategy = self._distribute_strategy or tf.distribute.get_strategy()
@@ -127,6 +140,10 @@ def refuse_parameter_server(original):
                 "`tfpar-train --config.mode=loop`; or pick another strategy "
                 "(e.g. 'multi_worker_mirrored') to keep using fit."
             )
+        for check in REFUSALS:
+            error = check(self)
+            if error is not None:
+                raise error
         return original(self, *args, **kwargs)
 
     return method

@@ -16,7 +16,7 @@ unchanged. A Megatron block of attention or MLP has one f and one g: two all-red
 forward (the g's) and two backward (the f's) per transformer block.
 
 Each runs in a replica context (tfpar.Trainer's step) over the layout's TP group, through
-tf.distribute's own collective launcher (tfpar.models.tensor_parallel.layout).
+tf.distribute's own collective launcher (tfpar.tensor_parallel.layout).
 
 Example:
     >>> h = copy_to_region(x, layout)                      # [B, T, dim], whole on every rank
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfpar.models.tensor_parallel.layout import Layout
+from tfpar.tensor_parallel.layout import Layout
 
 SCOPE = "tensor_parallel"  # every collective of the layers is named under it (see count_collectives)
 

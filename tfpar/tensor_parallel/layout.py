@@ -74,6 +74,8 @@ class Layout:
         local = list(self.device_of.values())
         self._tp = private_api.group_launchers([named(g) for g in self.tp_groups], local, strategy)
         self._dp = private_api.group_launchers([named(g) for g in self.dp_groups], local, strategy)
+        self._world = (self._tp[0] if self.groups == 1 else  # T = N: the one TP group is every replica
+                       private_api.group_launchers([named(list(range(self.replicas)))], local, strategy)[0])
 
     @classmethod
     def of(cls, strategy: tf.distribute.Strategy, degree: int) -> "Layout":
@@ -114,6 +116,11 @@ class Layout:
         if self.groups == 1:
             return None
         return self._dp[self.rank(replica_id)][self.device_of[replica_id]]
+
+    def world_launcher(self, replica_id: int):
+        """The launcher of the group of every replica (its own group key), on this replica's
+        device: what replicated weights' gradients are summed over."""
+        return self._world[self.device_of[replica_id]]
 
     def tp_all_reduce(self, tensor: tf.Tensor) -> tf.Tensor:
         """SUM over this replica's TP group (replica context). bfloat16 is summed in float32
@@ -161,6 +168,21 @@ def check_degree(strategy: tf.distribute.Strategy, degree: int) -> None:
             "mirrored or multi_worker_mirrored. On a TPU the engine is XLA's own sharding "
             "(docs/tensor_parallel.md: not built in tfpar); under parameter_server "
             "there are no replica groups to split a layer over.")
+
+
+def check_divides(degree: int, heads: int | None = None, hidden: int | None = None) -> None:
+    """T must be a positive integer that splits the heads and the MLP's hidden width into
+    equal shards (1: unsplit)."""
+    if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
+        raise TensorParallelError(f"tensor_parallel must be a positive integer (1: unsplit), got {degree!r}.")
+    if heads is not None and heads % degree:
+        raise TensorParallelError(
+            f"tensor_parallel={degree} does not divide the {heads} attention heads (each rank holds "
+            f"whole heads): use a degree that divides {heads}, or a multiple of {degree} heads.")
+    if hidden is not None and hidden % degree:
+        raise TensorParallelError(
+            f"tensor_parallel={degree} does not divide the MLP width {hidden}: use a degree that "
+            f"divides {hidden}.")
 
 
 def _here() -> str:
