@@ -15,7 +15,9 @@ T = 2 gives both replicas the whole batch and splits every block. Reported per s
 - all-reduce bytes per step per replica, counted from the traced step (the shapes and dtypes
   handed to the collectives), beside the formula: data parallel P x 4 bytes (one sum of
   every gradient); Megatron, per block 2 forward and 2 backward all-reduces of the block's
-  [b, s, h] activations, 4 x L x b x s x h x 4 bytes, plus the clip's one scalar.
+  [b, s, h] activations, 4 x L x b x s x h x 4 bytes, plus the clip's one scalar, plus one
+  sum of the replicated weights' gradients over every replica (P_r x 4 bytes: what keeps
+  them the same bits on every replica; tfpar.loop.tensor_parallel).
 float32 throughout; dropout off (the binary's gpt_small uses bf16 and dropout 0.1).
 Speed lives here, never in tests.
 """
@@ -80,11 +82,11 @@ def _all_reduce_bytes(trainer, dataset) -> tuple[int, int]:
     return sum(c.bytes or 0 for c in found), len(found)
 
 
-def _formula(degree: int, args, params: int) -> int:
+def _formula(degree: int, args, params: int, replicated: int) -> int:
     if degree == 1:
         return params * 4
     layers, hidden = SMALL["depth"], SMALL["dim"]
-    return 4 * layers * args.batch * args.seq * hidden * 4 + 4  # + the clip's scalar
+    return 4 * layers * args.batch * args.seq * hidden * 4 + 4 + replicated * 4  # + the clip's scalar
 
 
 def main(argv=None) -> None:
@@ -98,6 +100,8 @@ def main(argv=None) -> None:
     runtime.split_devices(2)
     import tfpar
 
+    from tfpar.tensor_parallel import shards
+
     strategy = tfpar.create_strategy("mirrored", devices=["/cpu:0", "/cpu:1"])
     settings = {}
     for name, degree in (("data parallel", 1), ("tensor parallel T=2", 2)):
@@ -105,10 +109,12 @@ def main(argv=None) -> None:
         iterator = iter(dataset)
         trainer.fit(iterator, steps=args.steps)  # warm-up: traces and runs
         wire, count = _all_reduce_bytes(trainer, dataset)
-        params = sum(int(w.shape.num_elements()) for w in model.trainable_variables)
+        params = model.count_params()  # whole shapes, split or not
+        replicated = sum(int(w.shape.num_elements()) for w in model.trainable_variables
+                         if shards.spec_of(w) is None)
         settings[name] = dict(degree=degree, trainer=trainer, iterator=iterator, times=[], row=dict(
             all_reduce_bytes_per_step=wire, all_reduces_per_step=count,
-            formula_bytes_per_step=_formula(degree, args, params * (degree if degree > 1 else 1)),
+            formula_bytes_per_step=_formula(degree, args, params, replicated),
             weight_bytes_per_device=_bytes_per_device(model.weights),
             optimizer_bytes_per_device=_bytes_per_device(trainer.optimizer.variables)))
     for round_ in range(args.rounds + 1):  # interleaved (the machine drifts); round 0 untimed

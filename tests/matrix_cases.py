@@ -100,6 +100,7 @@ class Run:
     batch: int = BATCH
     steps: int = STEPS
     shard: str = "none"  # loop: Trainer(shard=...) (ZeRO-1 'optimizer', ZeRO-2 'gradients')
+    tensor: int = 0      # 0: the classic MLP; T >= 1: the Megatron MLP of tfpar's exported layers, T ways
 
     def __post_init__(self):
         if not self.family:
@@ -114,6 +115,8 @@ class Run:
             parts.append(f"b{self.batch}x{self.steps}")
         if self.shard != "none":
             parts.append(f"shard={self.shard}")
+        if self.tensor:
+            parts.append(f"tensor={self.tensor}")
         return "/".join(parts)
 
     @classmethod
@@ -123,6 +126,8 @@ class Run:
         for extra in parts[5:]:
             if extra.startswith("shard="):
                 run["shard"] = extra[len("shard="):]
+            elif extra.startswith("tensor="):
+                run["tensor"] = int(extra[len("tensor="):])
             elif extra.startswith("b") and "x" in extra:
                 batch, steps = extra[1:].split("x")
                 run.update(batch=int(batch), steps=int(steps))
@@ -223,10 +228,30 @@ def shard_cases() -> list[Run]:
     return list(dict.fromkeys(FAST_SHARD_CASES + cases))
 
 
+# Tensor-parallel cases (T = 2, the Megatron MLP of tfpar's exported layers): every strategy
+# with two replicas x precision (loop, global clip), every option on mirrored, and what
+# tensor parallelism refuses (Keras fit, compression, sharding, one device); the fast tier
+# takes one.
+FAST_TENSOR_CASES = [Run("mirrored", "loop", "float32", "none", "global_clip", tensor=2)]
+
+
+def tensor_cases() -> list[Run]:
+    """T = 2 with each strategy of two replicas x precision, each option on mirrored, and
+    the refusals."""
+    cases = [Run(s, "loop", p, "none", "global_clip", tensor=2)
+             for s in ("mirrored", "multi_worker_mirrored") for p in PRECISIONS]
+    cases += [Run("mirrored", "loop", "float32", "none", o, tensor=2) for o in OPTIONS]
+    cases += [Run("mirrored", "fit", "float32", "none", "none", tensor=2),
+              Run("mirrored", "loop", "float32", "topk", "none", tensor=2),
+              Run("mirrored", "loop", "float32", "none", "global_clip", shard="optimizer", tensor=2),
+              Run("default", "loop", "float32", "none", "none", tensor=2)]
+    return list(dict.fromkeys(FAST_TENSOR_CASES + cases))
+
+
 def all_cases() -> tuple[list[Run], set[Run]]:
     """(every case of both tiers in order, the fast tier's cases)."""
-    fast = fast_cases() + FAST_SHARD_CASES
-    return list(dict.fromkeys(fast + full_cases() + shard_cases())), set(fast)
+    fast = fast_cases() + FAST_SHARD_CASES + FAST_TENSOR_CASES
+    return list(dict.fromkeys(fast + full_cases() + shard_cases() + tensor_cases())), set(fast)
 
 
 # -- references ------------------------------------------------------------------------
@@ -234,7 +259,7 @@ def all_cases() -> tuple[list[Run], set[Run]]:
 @dataclasses.dataclass(frozen=True)
 class Reference:
     run: Run
-    kind: str        # exact | precision | plain_compressed | relation | ema_relation | fit_vs_loop | cross_strategy | unsharded
+    kind: str        # exact | precision | plain_compressed | relation | ema_relation | fit_vs_loop | cross_strategy | unsharded | unsplit
     why: str
     case: Run | None = None  # precision: the mixed-precision case (its tolerance)
 
@@ -260,7 +285,8 @@ def plain(run: Run, compressor: str = "none") -> Run:
     """The ground truth: one device, Keras's own optimizer in a GradientTape loop, float32,
     the same option and optimizer family; with `compressor`, its Compression takes the
     all-reduce's place between the gradients and `apply_gradients`."""
-    return Run("plain", "tape", "float32", compressor, run.option, run.family, run.batch, run.steps)
+    return Run("plain", "tape", "float32", compressor, run.option, run.family, run.batch, run.steps,
+               tensor=min(run.tensor, 1))
 
 
 def reference_for(run: Run) -> Reference | None:
@@ -270,6 +296,9 @@ def reference_for(run: Run) -> Reference | None:
     if run.shard != "none":
         return Reference(run.replace(shard="none"), "unsharded",
                          "the same case unsharded (Keras's own update on the whole variables)")
+    if run.tensor > 1 and run.precision == "float32":  # mixed precision: against its float32 twin first
+        return Reference(run.replace(tensor=1), "unsplit",
+                         "the unsplit twin (degree 1: the same layers, whole weights)")
     if run.precision != "float32":
         if run.strategy == "multi_worker_mirrored":  # 2 replicas too, in this process
             return Reference(run.replace(precision="float32", strategy="mirrored"), "precision",
@@ -370,22 +399,33 @@ def compression_for(name: str):
 
 # -- the model and the data ----------------------------------------------------------------
 
-def mlp():
-    """tests/test_compression.py's MLP: dense layers only, so every gradient is dense."""
+def mlp(tensor: int = 0):
+    """tests/test_compression.py's MLP: dense layers only, so every gradient is dense. With
+    `tensor` = T >= 1, its two hidden layers are a Megatron pair of tfpar's exported layers
+    (column-parallel, then row-parallel), T ways (the norm after them: it needs whole
+    features); the same 6,660 weights."""
     import keras
 
     inputs = keras.Input((32,))
+    if tensor:
+        from tfpar import tensor_parallel as tp
+
+        x = tp.ColumnParallelLinear(64, degree=tensor, activation="relu", name="up")(inputs)
+        x = tp.RowParallelLinear(64, degree=tensor, activation="relu", name="down")(x)
+        x = keras.layers.LayerNormalization()(x)
+        return keras.Model(inputs, keras.layers.Dense(4)(x))
     x = keras.layers.Dense(64, activation="relu")(inputs)
     x = keras.layers.LayerNormalization()(x)
     x = keras.layers.Dense(64, activation="relu")(x)
     return keras.Model(inputs, keras.layers.Dense(4)(x))
 
 
-def initial_weights() -> list[np.ndarray]:
+def initial_weights(tensor: bool = False) -> list[np.ndarray]:
+    """Every run's initial weights (the classic MLP, or the Megatron one: whole values)."""
     import keras
 
     keras.utils.set_random_seed(SEED)
-    return mlp().get_weights()
+    return mlp(1 if tensor else 0).get_weights()
 
 
 def dataset(batch: int, steps: int):
@@ -435,7 +475,7 @@ def execute(run: Run, strategy, weights: list[np.ndarray]) -> Result:
 
     from tfpar.errors import TfparError
 
-    start, stage = time.perf_counter(), "start"
+    start, stage, recorded = time.perf_counter(), "start", []
     result = Result(run.key, "trained", initial=flat(weights))
     try:
         keras.mixed_precision.set_global_policy(run.precision)
@@ -446,9 +486,10 @@ def execute(run: Run, strategy, weights: list[np.ndarray]) -> Result:
         else:
             train = _start(run, strategy, weights)
             stage = "train"
-            result.steps, result.final = train()
-    except TfparError as e:
-        result.outcome = "refused" if stage == "start" else "refused_late"
+            result.steps, result.final = train(recorded)
+    except TfparError as e:  # before the first step: at start, or by fit before its first batch
+        early = stage == "start" or not recorded
+        result.outcome = "refused" if early else "refused_late"
         result.message, result.error = str(e), type(e).__name__
     except Exception as e:  # pylint: disable=broad-except  (anything else is a failure)
         result.outcome = "crashed"
@@ -478,11 +519,12 @@ def _start(run: Run, strategy, weights) -> Callable[[], tuple[list, np.ndarray]]
     import keras
 
     from tfpar.compression import compress_fit
+    from tfpar.data.pipeline import same_batch_for_groups
     from tfpar.loop import Trainer
 
     with strategy.scope():
-        model = mlp()
-        model.set_weights(weights)
+        model = mlp(run.tensor)
+        model.set_weights(weights)  # a split model takes the whole weights (and splits them)
         optimizer, compression = build_training(run)
         if run.mode == "fit":
             model.compile(optimizer=optimizer, loss=loss())  # fp16: Keras wraps it (LossScaleOptimizer)
@@ -494,13 +536,18 @@ def _start(run: Run, strategy, weights) -> Callable[[], tuple[list, np.ndarray]]
     if run.mode == "loop":
         trainer = Trainer(model, optimizer, loss(), strategy=strategy, compression=compression, shard=run.shard)
 
-    def train():
-        steps = []
+    def train(steps: list):
+        """Trains; `steps` collects the weights after each step (it stays empty when the
+        first step never ran)."""
         record = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: steps.append(
             flat(model.get_weights())))
         data = dataset(run.batch, run.steps)
         if trainer is None:
             model.fit(data, epochs=1, verbose=0, shuffle=False, callbacks=[record])
+        elif run.tensor > 1:  # T = all replicas: every replica the whole batch
+            trainer.fit(strategy.distribute_datasets_from_function(lambda context: same_batch_for_groups(
+                data, context.num_replicas_in_sync // context.num_input_pipelines)), steps=run.steps,
+                callbacks=[record])
         else:
             trainer.fit(strategy.experimental_distribute_dataset(data), steps=run.steps, callbacks=[record])
         return steps, flat(model.get_weights())
@@ -515,7 +562,7 @@ def _plain(run: Run, weights):
 
     from tfpar.compression import Compression
 
-    model = mlp()
+    model = mlp(run.tensor)
     model.set_weights(weights)
     optimizer, loss_fn, steps = user_optimizer(run), loss(), []
     variables = model.trainable_variables
@@ -558,6 +605,7 @@ def names_of(run: Run) -> dict[str, tuple[str, ...]]:
         "mode": {"fit": ("fit",), "loop": ("trainer", "loop")}[run.mode],
         "optimizer": {"sgd": ("sgd",), "adam": ("adam",), "adamw": ("adamw", "adam")}[run.family],
         "shard": () if run.shard == "none" else ("shard",),
+        "tensor": ("tensor", "split") if run.tensor > 1 else (),
     }
 
 

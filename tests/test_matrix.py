@@ -31,7 +31,7 @@ gradients only, 6,660 weights) and ends in exactly one of:
   Keras ground truth or to a pair of runs that cross-check each other; never the case
   itself, which `test_the_cases_cover_every_pair_and_never_reference_themselves` checks);
 - refused: a `tfpar.TfparError` before the first step (model, `compile`, `compress_fit`,
-  `Trainer(...)`) whose message names one of the case's values (compressor, option,
+  `Trainer(...)`, or `fit` before its first batch) whose message names one of the case's values (compressor, option,
   precision, strategy, mode or optimizer) and says what to do instead (an imperative such
   as "use"/"pass"/"leave", or a call, keyword or --config flag). The message is recorded;
 - FAIL (the test fails): anything else. An exception from Keras or TensorFlow, a tfpar
@@ -169,7 +169,7 @@ class Matrix:
     workers' read from their one launch."""
 
     def __init__(self, selected: list[M.Run], workdir: Path):
-        self.weights = M.initial_weights()
+        self.weights = {kind: M.initial_weights(kind) for kind in (False, True)}  # by model: tensor or not
         self.results: dict[str, M.Result] = {}
         self.seconds: dict[str, float] = {"in_process": 0.0}
         self._strategies: dict[str, object] = {}
@@ -233,7 +233,7 @@ class Matrix:
         if run.key not in self.results:
             if run.in_process:
                 result = M.execute(run, None if run.strategy == "plain" else self.strategy(run.strategy),
-                                   self.weights)
+                                   self.weights[run.tensor > 0])
                 self.seconds["in_process"] += result.seconds
                 self.results[run.key] = result
             else:
@@ -343,7 +343,8 @@ def table(rows: dict[M.Run, M.Verdict]) -> str:
         outcome = "**FAIL**" if v.outcome == "FAIL" else v.outcome
         lines.append("| " + " | ".join(_cell(x) for x in (
             case.strategy, case.mode, case.precision, case.compressor,
-            case.option if case.shard == "none" else f"{case.option}, shard={case.shard}", outcome, where,
+            ", ".join([case.option, *([f"shard={case.shard}"] if case.shard != "none" else []),
+                       *([f"tensor={case.tensor}"] if case.tensor else [])]), outcome, where,
             v.detail)) + " |")
     return "\n".join(lines)
 
@@ -410,4 +411,5 @@ def write_outputs(runs: Matrix) -> None:
 
 def dataclasses_dict(case: M.Run) -> dict:
     return {"key": case.key, "strategy": case.strategy, "mode": case.mode, "precision": case.precision,
-            "compressor": case.compressor, "option": case.option, "optimizer": case.family, "shard": case.shard}
+            "compressor": case.compressor, "option": case.option, "optimizer": case.family, "shard": case.shard,
+            "tensor": case.tensor}

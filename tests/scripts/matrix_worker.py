@@ -25,9 +25,10 @@ import matrix_cases as M  # noqa: E402
 
 keys = json.loads(Path(sys.argv[1]).read_text())
 out = Path(sys.argv[2])
-weights = M.initial_weights()
+weights = {kind: M.initial_weights(kind) for kind in (False, True)}  # by model: tensor or not
 for index, key in enumerate(keys):
-    result = M.execute(M.Run.from_key(key), strategy, weights)
+    run = M.Run.from_key(key)
+    result = M.execute(run, strategy, weights[run.tensor > 0])
     record = result.to_json() | {"index": index, "worker": info.task_index}
     if result.outcome == "trained":  # the replicas must agree: compared across the workers
         record["digest"] = hashlib.sha256(result.final.tobytes()).hexdigest()[:16]

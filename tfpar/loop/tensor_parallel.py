@@ -72,7 +72,7 @@ def check_tensor_parallel_optimizer(optimizer) -> None:
     if base.use_ema:
         raise TensorParallelError(
             "use_ema averages the weights in the cross-replica context, which reads one "
-            "shard for every replica: train without use_ema under tensor parallelism.")
+            "shard for every replica: leave use_ema off under tensor parallelism.")
 
 
 class TensorParallelSum(GradientAggregator):
@@ -102,8 +102,8 @@ class TensorParallelSum(GradientAggregator):
     def __call__(self, gradients, variables):
         replica = self.layout.here()
         degree = float(self.layout.degree)
-        grads = [tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g)
-                 for g, v in zip(gradients, variables)]
+        grads = [tf.zeros(v.shape, v.dtype) if g is None else tf.ensure_shape(tf.convert_to_tensor(g), v.shape)
+                 for g, v in zip(gradients, variables)]  # an embedding's rows summed densely, static shape
         split = [i for i, s in enumerate(self._split) if s]
         whole = [i for i, s in enumerate(self._split) if not s]
         summed = list(grads)
