@@ -197,6 +197,15 @@ def test_keras_weight_apis_give_and_take_the_unsplit_models_weights(tmp_path):
     assert_weights_equal(model.get_weights(), other.get_weights())
     assert model.count_params() == other.count_params()
 
+    from tfpar.tensor_parallel import keras_weights
+
+    keras_weights.revert()  # Keras's own set_weights: it compares the shard's shape
+    with pytest.raises(ValueError, match="not compatible with provided weight shape"):
+        model.set_weights(whole)
+    keras_weights.install()
+    model.set_weights(whole)
+    assert_weights_equal(model.get_weights(), whole)
+
     shard = next(w for w in model.weights if tp.spec_of(w) is not None)
     with pytest.raises(tp.TensorParallelError, match="outside strategy.run it takes its whole value"):
         shard.assign(np.zeros(shard.shape, "float32"))

@@ -45,8 +45,3 @@ def split_region_dropout(dropout: keras.layers.Dropout, layout: Layout) -> None:
         return tf.nn.experimental.stateless_dropout(inputs, rate=dropout.rate, seed=seed)
 
     dropout.call = call
-
-
-def draws_per_rank(dropout) -> bool:
-    """Whether `split_region_dropout` made `dropout` draw per rank."""
-    return "call" in vars(dropout)
