@@ -1,6 +1,9 @@
 """Sharded data parallelism (ZeRO-1/2, Trainer(shard=...)): the same training as the
 unsharded loop, 1/R of the optimizer state (and gradients) per replica, the same bytes on
-the wire, checkpoints that cross replica counts and modes, and every refusal by name."""
+the wire, checkpoints that cross replica counts and modes, and every refusal by name.
+The user's own paths (a keras-hub model, the user's checkpoint and .keras files) are in
+test_zero_user_paths.py; partitioned checkpoints read from their index, across workers,
+in test_zero_partitioned_checkpoints.py."""
 
 import keras
 import numpy as np
@@ -107,7 +110,8 @@ SLOW_CASES = [("optimizer", 4, "sgd"), ("gradients", 4, "lamb"), ("optimizer", 2
                                                            for c in SLOW_CASES])
 def test_sharded_equals_unsharded(weights, tmp_path, mode, replicas, optimizer):
     """The weights, the step count and the optimizer's state (its checkpoint: each slot
-    whole, under Keras's own keys) equal the unsharded run's; with clipping (global or per
+    under Keras's own keys, written as the replicas' slices and read back whole) equal the
+    unsharded run's; with clipping (global or per
     variable, by the norm of the whole gradient), weight decay and its exclusion, a
     schedule, LAMB's per-variable trust ratio. Each replica holds a different chunk."""
     strategy = mirrored(replicas)
@@ -293,8 +297,9 @@ def resumed_run(workdir, strategy, weights, shard, start, stop):
     (("none", 2), ("optimizer", 4))])
 def test_resume_across_replica_counts_and_modes(tmp_path, weights, uninterrupted, first, second):
     """Three steps, a checkpoint, three more under another replica count (and mode): the
-    weights of an uninterrupted run. The optimizer state is saved whole (Keras's layout), so
-    2 -> 4, 4 -> 1 (unsharded) and unsharded -> sharded all restore it."""
+    weights of an uninterrupted run. The optimizer state is saved in Keras's layout (each
+    replica's slices of each slot; a restore reads any slice), so 2 -> 4, 4 -> 1 (unsharded)
+    and unsharded -> sharded all restore it."""
     def strategy(replicas):
         return tf.distribute.get_strategy() if replicas == 1 else mirrored(replicas)
 
@@ -379,7 +384,8 @@ def test_every_elementwise_optimizer_is_kerass_update(weights, optimizer):
 def test_two_workers_equal_unsharded_and_checkpoint_across_workers(tmp_path):
     """multi_worker_mirrored, two processes: AdamW in mixed_float16, SGD with momentum in
     mixed_bfloat16 and LAMB in float32 (clipped), 2 micro-batches a step; both modes equal the unsharded loop;
-    the checkpoint gathers both workers' chunks into each slot whole."""
+    the checkpoint (each worker's partitions in its own file, merged by the chief) read
+    back whole equals the unsharded one, and restores."""
     from procs import launch
 
     result = launch(2, "sharding_worker.py", str(tmp_path), timeout=600)

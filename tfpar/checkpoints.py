@@ -8,6 +8,11 @@ checking that it was written by the same model: the chief writes the model's fin
 checkpoint, and a checkpoint from another model or config is refused by name
 (CheckpointMismatchError), not half-restored.
 
+A ZeRO run (tfpar.zero) under a multi-worker strategy is saved one partition per worker:
+each worker writes its replicas' slices of the optimizer state to its own file in the
+checkpoint directory (which every worker must see), and the chief's checkpoint merges them
+in (tfpar.zero.files); a restore reads only this worker's slices.
+
 Example:
     >>> checkpoints = Checkpoints(workdir, is_chief, model=model, optimizer=optimizer)
     >>> step = checkpoints.restore()          # 0 when there is none
@@ -16,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -26,14 +32,18 @@ from absl import logging
 
 from tfpar import checkpoint_integrity
 from tfpar.errors import CheckpointDamagedError, CheckpointMismatchError, WorkdirError
+from tfpar.tensor_parallel.shards import whole_shape
+from tfpar.zero import checkpoint as zero_checkpoint
+from tfpar.zero import files as zero_files
 
 
 def fingerprint(model) -> dict:
     """What must match for a checkpoint to restore into `model`: its class and the shape of
     every weight, in order (paths are kept for messages only: Keras numbers unnamed layers
-    per process, so they are not compared)."""
+    per process, so they are not compared). A tensor-parallel weight counts with its whole
+    shape, as it is saved: a checkpoint restores into the model split any number of ways."""
     return {"class": type(model).__name__,
-            "weights": [[v.path, [int(d) for d in v.shape]] for v in model.weights]}
+            "weights": [[v.path, [int(d) for d in whole_shape(v)]] for v in model.weights]}
 
 
 def _differences(saved: dict, current: dict, limit: int = 3) -> list[str]:
@@ -62,6 +72,10 @@ class Checkpoints:
             # non-trainable state was lost. Every weight is named here, in model order.
             objects["model_weights"] = tf.train.Checkpoint(
                 **{f"w{i}": v.value for i, v in enumerate(objects["model"].weights)})
+        # a ZeRO run across workers: each worker writes its own partitions (tfpar.zero.files)
+        self.partitions = zero_files.WorkerPartitions.find(objects)
+        if self.partitions is not None:
+            objects["zero_partitions"] = self.partitions
         self.checkpoint = tf.train.Checkpoint(**objects)
         self.manager = tf.train.CheckpointManager(self.checkpoint, self.directory, max_to_keep)
         self._fingerprint_path = os.path.join(self.directory, "model.json")
@@ -83,7 +97,8 @@ class Checkpoints:
             return 0
         self._check_fingerprint(latest)
         try:
-            self.checkpoint.restore(latest).expect_partial()
+            with self._reading():
+                self.checkpoint.restore(latest).expect_partial()
         except (ValueError, tf.errors.OpError) as e:  # e.g. a shape that changed
             raise CheckpointMismatchError(
                 f"{latest} does not restore into this model ({str(e).splitlines()[0][:200]}). "
@@ -122,6 +137,8 @@ class Checkpoints:
         WorkdirError naming the directory, and leaves the previous checkpoint as it was."""
         try:
             return self._save(step)
+        except WorkdirError:  # named already (a worker's partitions, an unshared workdir)
+            raise
         except (OSError, tf.errors.OpError) as e:
             reason = getattr(e, "strerror", None) or str(getattr(e, "message", e)).splitlines()[0][:200]
             raise WorkdirError(
@@ -129,7 +146,20 @@ class Checkpoints:
                 f"or use another --workdir; the previous checkpoint ({self.latest}) is intact, and "
                 "the run resumes from it.") from None
 
+    def _reading(self):
+        """A restore reads only this worker's partitions (tfpar.zero.checkpoint LOCAL)."""
+        if self.partitions is None:
+            return contextlib.nullcontext()
+        return zero_checkpoint.saving(zero_checkpoint.LOCAL)
+
     def _save(self, step: int) -> str | None:
+        if self.partitions is not None:  # every worker its partitions, then the chief merges
+            return self.partitions.save(self.checkpoint, self.directory, step, self.is_chief,
+                                        lambda: self._save_checkpoint(step))
+        return self._save_checkpoint(step)
+
+    def _save_checkpoint(self, step: int) -> str | None:
+        """The chief writes checkpoint `step`; the others write a scratch one, removed."""
         if self.is_chief:
             path = self.manager.save(checkpoint_number=step)
             if self.fingerprint is not None and not os.path.exists(self._fingerprint_path):

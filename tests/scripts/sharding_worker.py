@@ -3,9 +3,10 @@
 argv: WORKDIR. For AdamW under mixed_float16 (a LossScaleOptimizer), SGD with momentum
 under mixed_bfloat16 and LAMB in float32, all clipped, 2 micro-batches a step: the unsharded loop, then shard='optimizer' and
 shard='gradients' from the same weights; prints one SHARD line per case and mode (equal
-to the unsharded weights to 1e-5, and moved). Then the sharded AdamW checkpoint (every
-worker saves: the slots are gathered across workers, each whole) against the unsharded
-one, and a fresh sharded Trainer that restores it: one CKPT line.
+to the unsharded weights to 1e-5, and moved). Then the sharded AdamW checkpoint through
+tfpar's Checkpoints (every worker writes its own partitions, the chief merges them:
+tfpar.zero.files) against the unsharded one, and a fresh sharded Trainer that restores it:
+one CKPT line.
 """
 
 import os

@@ -64,6 +64,9 @@ Touches:
 - `tensorflow.python.training.saving.saveable_object.SaveSpec` with a callable: what a
   `_serialize_to_tensors` returns so that a value is computed only when a checkpoint is
   written (a restore builds the same specs and must not run a collective): `save_spec`.
+- ZeRO's checkpoint and Keras-file touches (Keras's weight-decay decision, TensorFlow's
+  checkpoint hooks on the caller's optimizer, sliced saveables, a per-worker write, a
+  registered merge): listed with their reasons in the section at the end of this module.
 
 Example:
     >>> with private_api.trainer_step(optimizer):   # while tracing tfpar's step
@@ -465,3 +468,163 @@ def attention_dropout(attention):
     (`_dropout_layer`, made in its build; no public accessor): inside a tensor-parallel
     split region it draws its mask per rank (tfpar.tensor_parallel.random)."""
     return attention._dropout_layer  # pylint: disable=protected-access
+
+
+# -- ZeRO (tfpar.zero): the partitioned optimizer state in checkpoints and Keras files --
+#
+# Touches, each with its reason (tfpar.zero.checkpoint, tfpar.zero.own_optimizer,
+# tfpar.zero.files):
+#
+# - `BaseOptimizer._use_weight_decay` (Keras): Keras's own decision whether a variable is
+#   decayed (by identity, `_var_key`, and by pattern). Keras's TensorFlow backend asks it
+#   with the tf.Variable (its `.name` is the variable's path, "block/layer_norm/gamma:0");
+#   asked with a keras.Variable it would match the short name ("gamma") instead, so an
+#   exclusion by layer name would be missed: `uses_weight_decay`.
+# - `Trackable._trackable_children`, `_lookup_dependency`, `_handle_deferred_dependencies`
+#   (TensorFlow's checkpoint hooks, set on the caller's optimizer object): the optimizer
+#   the Trainer never builds checkpoints and restores the partitioned state in its place,
+#   and a restore called before the Trainer existed (deferred by TensorFlow) lands in it
+#   (`checkpoint_as`, `hand_over_deferred`).
+# - `saveable_object.SaveableObject` / `SaveSpec` and `_gather_saveables_for_checkpoint`
+#   (TensorFlow's legacy saveable path, the one ShardedVariable's partitions use): several
+#   slices of one checkpoint key, each restored with its own spec. The newer
+#   `_serialize_to_tensors` path keeps only the first slice of a key when it restores
+#   (TrackableSaveable.restore zips one tensor per local name): `slices_saveable`.
+# - `graph_view.ObjectGraphView.breadth_first_traversal`, `trackable_utils.checkpoint_key`
+#   and `functional_saver.MultiDeviceSaver` (TensorFlow): a worker writes only its own
+#   partitions, under the keys the chief's checkpoint gives them (`checkpoint_keys`,
+#   `write_saveables`).
+# - `saved_model.registration.register_checkpoint_saver` (TensorFlow's hook for "a custom
+#   Variable class that splits the variable across different objects and devices"): the
+#   chief's save merges every worker's partition file into its checkpoint, in the same
+#   MergeV2Checkpoints that merges its own shards (`register_merge_saver`).
+
+
+def uses_weight_decay(optimizer, variable) -> bool:
+    """Whether Keras's TensorFlow optimizer decays `variable` (a keras.Variable or
+    tf.Variable): `_use_weight_decay` asked with the tf.Variable, as Keras asks it.
+
+    Example:
+        >>> optimizer.exclude_from_weight_decay(var_names=["layer_norm"])
+        >>> uses_weight_decay(optimizer, block.layer_norm.gamma)     # False
+    """
+    if base_optimizer(optimizer).weight_decay is None:
+        return False
+    tf_variable = variable.value if isinstance(variable, keras.Variable) else variable
+    return bool(base_optimizer(optimizer)._use_weight_decay(tf_variable))  # pylint: disable=protected-access
+
+
+def checkpoint_as(trackable, view) -> None:
+    """`trackable` (e.g. the caller's optimizer) saves and restores `view`'s children in
+    place of its own in object-based checkpoints (SavedModel export keeps its own)."""
+    own_children = trackable._trackable_children  # pylint: disable=protected-access
+    checkpoint = "checkpoint"
+
+    def children(save_type=checkpoint, **kwargs):
+        if str(getattr(save_type, "value", save_type)) != checkpoint:
+            return own_children(save_type, **kwargs)
+        return view._trackable_children(save_type, **kwargs)  # pylint: disable=protected-access
+
+    def lookup(name, cached_dependencies=None):
+        if cached_dependencies is not None:
+            return cached_dependencies.get(name)
+        return view._lookup_dependency(name)  # pylint: disable=protected-access
+
+    object.__setattr__(trackable, "_trackable_children", children)
+    object.__setattr__(trackable, "_lookup_dependency", lookup)
+
+
+def hand_over_deferred(source, target) -> None:
+    """Restorations TensorFlow deferred on `source` and its descendants (a checkpoint
+    restored before they had these children) land in `target`'s children of the same
+    names, recursively. Call before `checkpoint_as(source, target)`."""
+    for name, child in target._trackable_children().items():  # pylint: disable=protected-access
+        existing = source._lookup_dependency(name)  # pylint: disable=protected-access
+        source._handle_deferred_dependencies(name, child)  # pylint: disable=protected-access
+        if existing is not None and existing is not child and not hasattr(child, "assign"):
+            hand_over_deferred(existing, child)
+
+
+class _Slices:
+    """Made on first use (TensorFlow imported): a SaveableObject whose specs are slices of
+    one key and whose restore calls `restore(tensors)` with the slices in spec order."""
+    kind = None
+
+    @classmethod
+    def make(cls, name, specs, restore):
+        if cls.kind is None:
+            from tensorflow.python.training.saving import saveable_object  # pylint: disable=import-outside-toplevel
+
+            class SliceSaveable(saveable_object.SaveableObject):
+                def __init__(self, name, specs, restore):
+                    super().__init__(None, specs, name)
+                    self._restore = restore
+
+                def restore(self, restored_tensors, restored_shapes):
+                    del restored_shapes
+                    return self._restore(list(restored_tensors))
+
+            cls.kind = SliceSaveable
+        return cls.kind(name, specs, restore)
+
+
+def slices_saveable(name: str, parts: list, restore: Callable):
+    """A checkpoint saveable of key `name` made of slices: `parts` is a list of
+    (make, slice_spec, dtype, device), `make()` the slice's value, computed only when a
+    checkpoint is written (None: nothing is written for it); `restore(tensors)` gets the
+    restored slices in the same order. Return a list of these from a factory in
+    `_gather_saveables_for_checkpoint`.
+
+    Example:
+        >>> slices_saveable(key, [(lambda: v[:2], "4 0,2", tf.float32, "/cpu:0")], assign)
+    """
+    from tensorflow.python.training.saving import saveable_object  # pylint: disable=import-outside-toplevel
+
+    specs = [saveable_object.SaveSpec(make, spec, name, dtype=dtype, device=device)
+             for make, spec, dtype, device in parts]
+    return _Slices.make(name, specs, restore)
+
+
+def checkpoint_keys(root, select: Callable, attribute: str) -> dict:
+    """{trackable: its checkpoint key for `attribute`} for every trackable under `root`
+    for which `select(trackable)` holds, named as TensorFlow names them (shortest path)."""
+    from tensorflow.python.checkpoint import graph_view  # pylint: disable=import-outside-toplevel
+    from tensorflow.python.trackable import trackable_utils  # pylint: disable=import-outside-toplevel
+
+    _, paths = graph_view.ObjectGraphView(root).breadth_first_traversal()
+    return {trackable: trackable_utils.checkpoint_key(trackable_utils.object_path_to_string(path), attribute)
+            for trackable, path in paths.items() if select(trackable)}
+
+
+def write_saveables(saveables: list, prefix: str) -> None:
+    """Writes `saveables` (and nothing else: no object graph) as a V2 checkpoint at
+    `prefix`, with TensorFlow's own saver (per-device shards, then merged)."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    from tensorflow.python.checkpoint import functional_saver  # pylint: disable=import-outside-toplevel
+
+    functional_saver.MultiDeviceSaver.from_saveables(saveables).save(tf.constant(prefix))
+
+
+def register_merge_saver(name: str, predicate: Callable, prefixes: Callable) -> None:
+    """Registers (once per process) a checkpoint saver for the trackables `predicate`
+    accepts: when a checkpoint that holds one is written, `prefixes(trackables)` (V2
+    checkpoint prefixes already on disk) are merged into it by the save's own
+    MergeV2Checkpoints, which moves their data files in and deletes their directories.
+    Its restore does nothing (the merged keys restore by themselves)."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    from tensorflow.python.saved_model import registration  # pylint: disable=import-outside-toplevel
+
+    def save_fn(trackables, file_prefix):
+        del file_prefix
+        return [tf.constant(p) for p in prefixes(list(trackables.values()))]
+
+    def restore_fn(trackables, merged_prefix):
+        del trackables, merged_prefix
+
+    try:
+        registration.register_checkpoint_saver(package="tfpar", name=name, predicate=predicate,
+                                               save_fn=save_fn, restore_fn=restore_fn,
+                                               strict_predicate_restore=False)
+    except ValueError as e:  # registered already (a module imported twice)
+        if "already registered" not in str(e).lower():
+            raise

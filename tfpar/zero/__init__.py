@@ -5,10 +5,14 @@ of the accumulated gradients (ZeRO-2), with the user's own Keras optimizer. A Ze
 *partition* is a replica's 1/R of every flattened variable; a tensor-parallel *shard*
 (tfpar.tensor_parallel) is a block of one layer's weight: the two words name two things.
 
-- partitions.py: which elements each replica owns (PartitionLayout) and the collectives
-  that move them (reduce-scatter, all-gather)
+- partitions.py: which elements each replica owns (PartitionLayout), as boxes of each
+  variable's shape, and the collectives that move them (reduce-scatter, all-gather)
 - optimizer.py: the user's optimizer run on the partitions (PartitionedOptimizer)
-- checkpoint.py: the partitioned state in a checkpoint, in Keras's own layout
+- checkpoint.py: the partitioned state in a checkpoint, in Keras's own layout, written
+  as each replica's slices
+- own_optimizer.py: the user's own optimizer object stands for the partitioned state
+  (tf.train.Checkpoint, deferred restores, .keras files, a late weight-decay exclusion)
+- files.py: under multi_worker_mirrored, one partition file per worker, merged by the chief
 - checks.py: what is refused, by name, before anything is built
 - update.py: the Trainer's sharded step (ZeroUpdate)
 

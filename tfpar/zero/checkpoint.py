@@ -1,53 +1,164 @@
 """The sharded optimizer in a checkpoint, in the layout Keras's own optimizer writes.
 
-Each slot (Adam's m and v, momentum, an EMA average) is saved whole: its R pieces put
-back together, the padding dropped, the variable's shape, under the key Keras gives the
-unsharded optimizer's slot (`optimizer/_variables/<k>`, `optimizer/_iterations`, and under
-fp16 `optimizer/dynamic_scale`, `optimizer/step_counter`, `optimizer/inner_optimizer/...`).
-So the layout a checkpoint needs is the model's own: a sharded run restores under any
-replica count (each replica takes its chunk of the whole slot), an unsharded run restores
-a sharded checkpoint and the other way round, and tfpar's Checkpoints (fingerprint,
-integrity, resume) need nothing new. The rows are put together only when a checkpoint is
-written (on this worker's host; across workers by an all-gather that every worker reaches,
-as every worker saves), never when one is restored.
+Each slot (Adam's m and v, momentum, an EMA average) is saved under the key Keras gives
+the unsharded optimizer's slot (`optimizer/_variables/<k>`, `optimizer/_iterations`, and
+under fp16 `optimizer/dynamic_scale`, `optimizer/step_counter`,
+`optimizer/inner_optimizer/...`), with the variable's shape, as *slices*: each replica
+writes its own chunk, cut into a few boxes of that shape (tfpar.zero.partitions.boxes),
+from its own copy. Nothing puts a slot together to write it. A restore reads, for each of
+its replicas, the boxes of that replica's chunk under its own replica count: TensorFlow
+reads any slice of a key whichever slices (or whole tensor) were written. So a sharded
+run restores under any replica count, an unsharded run restores a sharded checkpoint (a
+plain variable reads its key whole) and the other way round, and tfpar's Checkpoints
+(fingerprint, integrity, resume) need nothing new.
+
+What a save writes, by mode (`saving(mode)`; the default is LOCAL where one process holds
+every replica, WHOLE where workers hold some each):
+
+- LOCAL: this process's replicas' slices. One process (mirrored): the whole slot, as R
+  slices. Under multi_worker_mirrored, tfpar's Checkpoints has each worker write its own
+  slices to its own file and the chief's save merge them (tfpar.zero.files).
+- SKIP: the keys are recorded, no value written (the chief's object graph, while the
+  workers' files carry the values).
+- WHOLE: the slot put together (its rows all-gathered across workers, a collective that
+  every worker's save reaches) and written whole: what a checkpoint that is not tfpar's
+  (your own tf.train.Checkpoint) writes under multi_worker_mirrored, and what Keras's
+  `.keras` files get (tfpar.zero.own_optimizer).
 
 Example:
-    >>> tf.train.Checkpoint(optimizer=optimizer_view(partitioned_optimizer, layout, ranks))
+    >>> view = optimizer_view(partitioned_optimizer, layout, ranks)
+    >>> tf.train.Checkpoint(optimizer=view).save(path)    # Keras's keys, sliced per replica
 """
 
 from __future__ import annotations
+
+import contextlib
+from typing import Iterator
 
 import keras
 import tensorflow as tf
 
 from tfpar.compression import replica_state
 from tfpar.strategy import private_api
+from tfpar.zero.partitions import slice_spec
 
 VALUE = "VARIABLE_VALUE"  # the attribute every tf.Variable saves under
+LOCAL, SKIP, WHOLE = "local", "skip", "whole"
+_MODES: list[str] = []  # the innermost `saving` block's mode last
+
+
+@contextlib.contextmanager
+def saving(mode: str) -> Iterator[None]:
+    """Within the block, every PartitionValue saves (and restores) in `mode`.
+
+    Example:
+        >>> with saving(SKIP):
+        ...     manager.save()          # the object graph; the workers' files hold the slots
+    """
+    if mode not in (LOCAL, SKIP, WHOLE):
+        raise ValueError(f"saving mode {mode!r}: one of {LOCAL}, {SKIP}, {WHOLE}")
+    _MODES.append(mode)
+    try:
+        yield
+    finally:
+        _MODES.pop()
+
+
+def _tf_variable(variable):
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def holds_every_replica(variable) -> bool:
+    """Whether this process holds every replica's copy of `variable` (not multi-worker)."""
+    variable = _tf_variable(variable)
+    if not isinstance(variable, tf.distribute.DistributedValues):
+        return True
+    return len(variable.values) == variable.distribute_strategy.num_replicas_in_sync
 
 
 class PartitionValue(tf.__internal__.tracking.Trackable):
-    """One per-replica slot of variable `index`, saved and restored whole."""
+    """One per-replica slot of variable `index` in a checkpoint: its key is the unsharded
+    slot's, its value the replicas' chunks as slices (see module docstring)."""
 
     def __init__(self, variable, index: int, layout, ranks: dict[int, int]):
         self.variable, self.index, self.layout, self.ranks = variable, index, layout, ranks
         self._gather = None
 
-    def _serialize_to_tensors(self) -> dict:
-        variable = _tf_variable(self.variable)
-        first = variable.values[0] if isinstance(variable, tf.distribute.DistributedValues) else variable
-        host = tf.DeviceSpec.from_string(first.device or "/device:CPU:0").replace(
-            device_type="CPU", device_index=0).to_string()
-        return {VALUE: private_api.save_spec(lambda: self._whole(host), variable.dtype, host)}
+    @property
+    def mode(self) -> str:
+        """The mode a save or restore runs in now (see module docstring)."""
+        if _MODES:
+            return _MODES[-1]
+        return LOCAL if holds_every_replica(self.variable) else WHOLE
 
-    def _whole(self, host: str) -> tf.Tensor:
-        """The slot whole ([R, c] rows in rank order, unpadded, in the variable's shape)."""
+    def _gather_saveables_for_checkpoint(self) -> dict:
+        return {VALUE: self.saveables}
+
+    def saveables(self, name: str) -> list:
+        """What a save writes (a restore reads) under checkpoint key `name`, in `mode`."""
+        mode = self.mode
         variable = _tf_variable(self.variable)
-        with tf.device(host):
+        if mode == WHOLE:
+            host = _host(variable)
+            return [private_api.slices_saveable(
+                name, [(lambda: self.whole(host), "", variable.dtype, host)], lambda t: self.assign_whole(t[0]))]
+        found = []
+        for replica, copy in zip(*replica_state.components(variable)):
+            boxes = self.layout.boxes(self.index, self.ranks[replica])
+            if boxes:
+                found.append(self._replica_saveable(name, copy, self.ranks[replica], boxes, mode == SKIP))
+        return found or [self._nothing(name, variable)]
+
+    def _replica_saveable(self, name: str, copy, rank: int, boxes: list, skip: bool):
+        """One replica's chunk as its boxes; restored, they fill the chunk again."""
+        start, _ = self.layout.run(self.index, rank)
+        shape, dtype = self.layout.shapes[self.index], copy.dtype
+        parts = []
+        for box in boxes:
+            make = (lambda: None) if skip else self._box_of(copy, start, box)
+            parts.append((make, slice_spec(shape, box), dtype, copy.device))
+        return private_api.slices_saveable(name, parts, lambda tensors: self._fill(copy, tensors))
+
+    def _box_of(self, copy, start: int, box):
+        """A function that reads `box` of the variable from `copy` (the chunk from `start`)."""
+        def read() -> tf.Tensor:
+            with tf.device(copy.device):
+                if box is None:  # a scalar (or empty) variable, owned whole by rank 0
+                    return tf.reshape(copy[:self.layout.sizes[self.index]], self.layout.shapes[self.index])
+                first = _flat_index(self.layout.shapes[self.index], box[0]) - start
+                count = 1
+                for n in box[1]:
+                    count *= n
+                return tf.reshape(copy[first:first + count], box[1])
+        return read
+
+    def _fill(self, copy, tensors: list):
+        """A replica's chunk from its restored boxes (in flat order), zero-padded."""
+        flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], 0)
+        chunk = self.layout.chunks[self.index]
+        padded = tf.pad(flat, [[0, chunk - tf.shape(flat)[0]]])
+        return copy.assign(tf.cast(padded, copy.dtype))
+
+    def _nothing(self, name: str, variable):
+        """For a process none of whose replicas holds an element of this (tiny) variable:
+        writes nothing; restoring reads one element (rank 0's first) and assigns nothing."""
+        shape = self.layout.shapes[self.index]
+        box = self.layout.boxes(self.index, 0)[0]
+        if box is not None:
+            box = ((0,) * len(shape), (1,) * len(shape))
+        return private_api.slices_saveable(
+            name, [(lambda: None, slice_spec(shape, box), variable.dtype, _host(variable))], lambda _: None)
+
+    def whole(self, host: str | None = None) -> tf.Tensor:
+        """The slot whole ([R, c] rows in rank order, unpadded, in the variable's shape),
+        on `host` (default: this worker's CPU): across workers an all-gather, which every
+        worker must reach."""
+        variable = _tf_variable(self.variable)
+        with tf.device(host or _host(variable)):
             if not isinstance(variable, tf.distribute.DistributedValues):
                 rows = tf.convert_to_tensor(variable)[None]
-            elif len(variable.values) == variable.distribute_strategy.num_replicas_in_sync:
-                rows = replica_state.stacked(variable)  # every replica on this worker
+            elif holds_every_replica(variable):
+                rows = replica_state.stacked(variable)  # every replica in this process
             else:
                 if self._gather is None:
                     self._gather = replica_state.gathered(variable)
@@ -55,19 +166,30 @@ class PartitionValue(tf.__internal__.tracking.Trackable):
             by_rank = sorted(self.ranks, key=self.ranks.get)  # replica id of rank 0, 1, ...
             return self.layout.unrows(tf.gather(rows, by_rank), [self.index])[0]
 
-    def _restore_from_tensors(self, restored_tensors: dict):
-        whole = restored_tensors[VALUE]
+    def assign_whole(self, whole) -> tf.Operation:
+        """Every replica here takes its chunk of the whole slot `whole`."""
+        whole = tf.convert_to_tensor(whole)
         shape = self.layout.shapes[self.index]
         if whole.shape.rank is not None and tuple(whole.shape) != shape:
             raise ValueError(f"the checkpoint's slot of {self.layout.paths[self.index]} has shape "
                              f"{tuple(whole.shape)}, the model's variable {shape}")
         ids, copies = replica_state.components(_tf_variable(self.variable))
-        return tf.group([copy.assign(self.layout.chunk(whole, self.index, self.ranks[i]))
+        return tf.group([copy.assign(tf.cast(self.layout.chunk(whole, self.index, self.ranks[i]), copy.dtype))
                          for i, copy in zip(ids, copies)])
 
 
-def _tf_variable(variable):
-    return variable.value if isinstance(variable, keras.Variable) else variable
+def _flat_index(shape, index) -> int:
+    """The row-major position of `index` in an array of `shape`."""
+    position = 0
+    for d, i in zip(shape, index):
+        position = position * int(d) + int(i)
+    return position
+
+
+def _host(variable) -> str:
+    first = variable.values[0] if isinstance(variable, tf.distribute.DistributedValues) else variable
+    return tf.DeviceSpec.from_string(first.device or "/device:CPU:0").replace(
+        device_type="CPU", device_index=0).to_string()
 
 
 class _Children(tf.__internal__.tracking.Trackable):
@@ -89,14 +211,26 @@ def optimizer_view(shard, layout, ranks: dict[int, int]):
     return _Children(children)
 
 
+def inner_view(view, shard):
+    """The node of the optimizer that holds the slots (under fp16, the wrapped one's)."""
+    return view._lookup_dependency("inner_optimizer") if shard.loss_scaled else view  # pylint: disable=protected-access
+
+
+def slots(view, shard) -> list:
+    """The optimizer's `variables` past its counter and rate, in Keras's order: a
+    PartitionValue for each slot made from a piece, the variable itself otherwise."""
+    node = inner_view(view, shard)._lookup_dependency("_variables")  # pylint: disable=protected-access
+    return [node._lookup_dependency(str(k)) for k in range(shard.own_variables, len(shard.clone.variables))]  # pylint: disable=protected-access
+
+
 def _inner_view(shard, layout, ranks):
-    clone, slots = shard.clone, {}
+    clone, found = shard.clone, {}
     for k, variable in enumerate(clone.variables):
         if k < shard.own_variables:  # the copy's own counter and rate: the caller's are saved
             continue
         index = shard.slot_of.get(k)
-        slots[str(k)] = variable if index is None else PartitionValue(variable, index, layout, ranks)
-    return _Children({**_counter_and_rate(shard.base), **_trainable(shard), "_variables": _Children(slots)})
+        found[str(k)] = variable if index is None else PartitionValue(variable, index, layout, ranks)
+    return _Children({**_counter_and_rate(shard.base), **_trainable(shard), "_variables": _Children(found)})
 
 
 def _trainable(shard) -> dict:

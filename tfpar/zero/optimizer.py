@@ -6,7 +6,9 @@ Keras creates its slots (Adam's m and v, momentum, EMA averages) from those piec
 replica holds 1/R of them, as per-replica (ON_READ) variables. Each step then does what
 Keras's `apply` does, in the same order and with Keras's own arithmetic, on the pieces:
 clip (with norms summed over the shards), decoupled weight decay (the variables the caller
-excluded stay excluded), `update_step` per piece, the moving average, the step counter.
+excluded stay excluded: by variable, or by name matched against the variable's path, as
+Keras's TensorFlow backend matches it), `update_step` per piece, the moving average, the
+step counter.
 
 Which optimizers: those whose update is elementwise (SGD, Adam, AdamW, Adamax, Nadam,
 RMSprop, Adagrad, Adadelta, Lion, Ftrl: the update of an element reads only that element
@@ -104,8 +106,9 @@ class PartitionedOptimizer:
         self.clone = _copy(self.base)
         self.variables = list(variables)  # the model's: a checkpoint names them as Keras does
         self.own_variables = len(self.clone.variables)  # its counter (and rate): not the caller's
-        self.decays = [self.base.weight_decay is not None and self.base._use_weight_decay(v)  # pylint: disable=protected-access
-                       for v in variables]
+        # Keras's own decision, asked as its TensorFlow backend asks it: with the tf.Variable,
+        # whose name is the variable's path (an exclusion by layer name matches there)
+        self.decays = [private_api.uses_weight_decay(self.base, v) for v in variables]
         with _per_replica_variables():
             self.pieces = [tf.Variable(tf.zeros([c], d), trainable=False, name=f"shard_{i}")
                            for i, (c, d) in enumerate(zip(layout.chunks, layout.dtypes))]

@@ -7,6 +7,11 @@ shapes), which is what tf.distribute needs to keep a per-replica variable, and a
 pieces are contiguous runs of its own elements (a per-variable quantity such as LAMB's
 trust ratio is a sum over R pieces). The padding is at most R - 1 elements per variable.
 
+In a checkpoint a replica's chunk of a variable is a few boxes of the variable's own shape
+(`boxes`: a run of a flattened array is at most 2 boxes per dimension), each written as a
+slice of the variable's key (`slice_spec`, TensorFlow's "full shape, then start,length per
+dimension"), so the checkpoint reads like the whole variable's and any slice can be read.
+
 A bucket is a run of consecutive variables (one wire dtype) whose rows are sent together:
 `rows` lays a bucket's gradients out as [R, C] (row j: every variable's chunk j), the
 reduce-scatter leaves each replica the sum of its own row ([C]), and the all-gather of the
@@ -31,6 +36,7 @@ Example:
     >>> layout.chunks           # elements each replica holds of each variable
     >>> comm = PartitionCollectives(tf.distribute.get_replica_context(), ranks)
     >>> mine = comm.reduce_scatter(layout.rows(grads, layout.buckets[0]))   # [C]
+    >>> layout.boxes(0, rank=1)  # [((8, 0), (12, 37))]: rows 8-19 of a [32, 37] kernel
 """
 
 from __future__ import annotations
@@ -101,6 +107,20 @@ class PartitionLayout:
             piece = tf.pad(piece, [[0, chunk - (stop - start)]])
         return piece
 
+    def run(self, index: int, rank: int) -> tuple[int, int]:
+        """[start, stop) of the flattened variable `index` that rank `rank` owns (empty for
+        a rank that holds padding only)."""
+        size, chunk = self.sizes[index], self.chunks[index]
+        return min(rank * chunk, size), min((rank + 1) * chunk, size)
+
+    def boxes(self, index: int, rank: int) -> list:
+        """Rank `rank`'s elements of variable `index` as boxes of the variable's shape,
+        ((start, ...), (length, ...)) in flat order; [] for a rank that holds padding only.
+        A scalar (or an empty variable) is one box `None`, the whole, owned by rank 0."""
+        if not self.shapes[index] or self.sizes[index] == 0:
+            return [None] if rank == 0 else []
+        return flat_run_boxes(self.shapes[index], *self.run(index, rank))
+
     def rows(self, tensors: Sequence[tf.Tensor], bucket: Sequence[int]) -> tf.Tensor:
         """A bucket's tensors (whole, indexed by variable, in one dtype) as [R, C]: row j
         holds chunk j of each."""
@@ -126,6 +146,53 @@ class PartitionLayout:
         return {"replicas": self.replicas, "variables": len(self.sizes), "elements": sum(self.sizes),
                 "shard_elements": self.shard_elements, "padding": self.padding,
                 "buckets": len(self.buckets)}
+
+
+def flat_run_boxes(shape: Sequence[int], start: int, stop: int) -> list:
+    """Elements [start, stop) of a row-major array of `shape` as boxes
+    ((start, ...), (length, ...)), in flat order: a partial leading row, whole rows, a
+    partial trailing row, each partial row split the same way one dimension down.
+
+    Example:
+        >>> flat_run_boxes((4, 6), 3, 15)   # rest of row 0, row 1, first 3 of row 2
+        [((0, 3), (1, 3)), ((1, 0), (1, 6)), ((2, 0), (1, 3))]
+    """
+    if start >= stop:
+        return []
+    if len(shape) == 1:
+        return [((start,), (stop - start,))]
+    inner = 1
+    for d in shape[1:]:
+        inner *= int(d)
+    (first, head), (last, tail) = divmod(start, inner), divmod(stop, inner)
+
+    def within(row: int, a: int, b: int) -> list:  # elements [a, b) of one row
+        return [((row, *s), (1, *n)) for s, n in flat_run_boxes(shape[1:], a, b)]
+
+    if first == last:
+        return within(first, head, tail)
+    found = []
+    if head:
+        found += within(first, head, inner)
+        first += 1
+    if last > first:
+        found.append(((first, *[0] * (len(shape) - 1)), (last - first, *[int(d) for d in shape[1:]])))
+    if tail:
+        found += within(last, 0, tail)
+    return found
+
+
+def slice_spec(shape: Sequence[int], box) -> str:
+    """TensorFlow's slice spec of a box of a variable of `shape` ("" for the whole, None).
+
+    Example:
+        >>> slice_spec((4, 6), ((1, 0), (2, 6)))
+        '4 6 1,2:0,6'
+    """
+    if box is None:
+        return ""
+    starts, lengths = box
+    return " ".join(str(int(d)) for d in shape) + " " + ":".join(f"{s},{n}" for s, n in zip(starts, lengths))
 
 
 def _size(path: str, shape: tuple) -> int:

@@ -20,6 +20,10 @@ parameters each way on a ring). The modes:
   its backward pass, and only this replica's chunk is accumulated: 1/R of the gradients is
   held between micro-batches (at the price of one reduce-scatter per micro-batch).
 
+The optimizer state is checkpointed in Keras's own layout, each replica writing its own
+slices (tfpar.zero.checkpoint; one file per worker across workers, tfpar.zero.files), and
+the caller's optimizer object saves and loads it too (tfpar.zero.own_optimizer).
+
 What a step does not change: Keras's clip (global_clipnorm with the norm of the whole
 gradient, clipnorm with each variable's whole norm, clipvalue), decoupled weight decay
 and its exclusions, schedules, EMA, fp16's dynamic loss scale (one agreed flag: every
@@ -41,8 +45,9 @@ import tensorflow as tf
 from tfpar.compression import accounting
 from tfpar.errors import ShardingError
 from tfpar.zero import checkpoint as zero_checkpoint
+from tfpar.zero import own_optimizer
 from tfpar.zero.checks import (GRADIENTS, MODES, NONE, OPTIMIZER, WIRE_DTYPE_ONLY,  # noqa: F401
-                                     check_shard, check_variable, compression_name)
+                               check_shard, check_variable, compression_name)
 from tfpar.zero.partitions import BUCKET_BYTES, PartitionCollectives, PartitionLayout, replica_ranks
 from tfpar.zero.optimizer import PartitionedOptimizer
 from tfpar.strategy import private_api
@@ -80,17 +85,14 @@ class ZeroUpdate:
         self._ranks, self._policy, self._view = {}, "stop", None
 
     def configure(self, strategy, optimizer, aggregator, placement, nonfinite: str) -> None:
-        """Checks the Trainer's options (ShardingError by name) before anything is built."""
-        from tfpar.compression import Compression  # pylint: disable=import-outside-toplevel
+        """Checks the Trainer's options (ShardingError by name) before anything is built. (A
+        tensor-parallel model, known from its split weights, is refused by the Trainer.)"""
         from tfpar.aggregation import AllReduce  # pylint: disable=import-outside-toplevel
+        from tfpar.compression import Compression  # pylint: disable=import-outside-toplevel
         from tfpar.strategy.describe import strategy_kind  # pylint: disable=import-outside-toplevel
 
         check_shard(self.mode, strategy_kind(strategy), aggregator if isinstance(aggregator, Compression)
                     else None, placement)
-        if type(aggregator).__name__ == "TensorParallelSum":  # tfpar.loop.tensor_parallel's
-            raise ShardingError(f"shard={self.mode!r} with a tensor-parallel model: its split weights "
-                                "differ between the replicas of a tensor-parallel group, and sharding "
-                                "them again is not built. Use shard='none' with tensor parallelism.")
         if not isinstance(aggregator, (AllReduce, Compression)) and self.mode == GRADIENTS:
             raise ShardingError(f"shard='gradients' with the aggregator {type(aggregator).__name__}: an "
                                 "aggregator returns the whole sum, which ZeRO-2 never holds. Use "
@@ -107,6 +109,8 @@ class ZeroUpdate:
         self._ranks = replica_ranks(self.strategy)
         self.shard.build(self.layout, variables)
         self._view = zero_checkpoint.optimizer_view(self.shard, self.layout, self._ranks)
+        own_optimizer.take_built_state(self.shard, self._view)  # e.g. after keras.models.load_model
+        own_optimizer.stand_in(self.shard, self._view)  # the caller's optimizer saves the partitions
 
     # -- the step (replica context) ------------------------------------------------------
 
@@ -245,7 +249,8 @@ class ZeroUpdate:
 
     def checkpoint_items(self) -> dict:
         """{'optimizer': the sharded optimizer, in Keras's checkpoint layout} (see
-        tfpar.zero.checkpoint): pass it where the optimizer would go."""
+        tfpar.zero.checkpoint): pass it where the optimizer would go. The caller's own
+        optimizer object saves the same (tfpar.zero.own_optimizer)."""
         return {"optimizer": self._view}
 
     def state_variables(self) -> list:
