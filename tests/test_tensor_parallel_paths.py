@@ -214,6 +214,7 @@ def test_keras_weight_apis_give_and_take_the_unsplit_models_weights(tmp_path):
         model.fit(*batch()[:2], verbose=0)
 
 
+@pytest.mark.slow  # a Trainer and two callbacks: ~9 s
 def test_callbacks_that_save_and_restore_weights_work_on_a_split_model(tmp_path):
     """ModelCheckpoint (whole model and weights only) in Trainer.fit writes the unsplit
     model's files; EarlyStopping(restore_best_weights=True) puts the best whole weights back."""
@@ -234,6 +235,40 @@ def test_callbacks_that_save_and_restore_weights_work_on_a_split_model(tmp_path)
     stop.on_epoch_end(1, {"loss": 2.0})  # worse: training stops
     stop.on_train_end()
     assert_weights_equal(model.get_weights(), best)
+
+
+def gpt_trainer(degree):
+    """A GPT split `degree` ways (1: unsplit) on 2 replicas from seed 0, and its Trainer."""
+    strategy = mirrored(2)
+    if degree > 1:
+        model = split_gpt(strategy, degree)
+    else:
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = GPT(**TINY)
+    with strategy.scope():
+        optimizer = adamw()
+    return model, Trainer(model, optimizer, LOSS, strategy=strategy, xla=False), strategy
+
+
+@pytest.mark.slow  # 3 Trainers each: ~20 s
+@pytest.mark.parametrize("first,then", [(2, 1), (1, 2)])
+def test_a_checkpoint_resumes_under_another_degree(tmp_path, first, then):
+    """tfpar's Checkpoints hold whole weights and whole Adam slots: a run stopped at step 2
+    resumes with T changed and ends where the run that kept its T ends (1e-5)."""
+    from tfpar.checkpoints import Checkpoints
+
+    def run(degree, steps, workdir):
+        model, trainer, strategy = gpt_trainer(degree)
+        checkpoints = Checkpoints(str(workdir), True, model=model, optimizer=trainer.optimizer)
+        trainer.fit(dealt(strategy, degree), steps=steps, start_step=checkpoints.restore())
+        checkpoints.save(steps)
+        return model
+
+    run(first, 2, tmp_path / "switched")
+    resumed = run(then, 4, tmp_path / "switched")  # restores step 2 of the other degree
+    kept = run(first, 4, tmp_path / "kept")
+    assert_weights_equal(resumed.get_weights(), kept.get_weights(), tol=1e-5)
 
 
 # -- a model of the user's own, from the exported layers ----------------------------------
@@ -324,6 +359,7 @@ def test_replicated_gradients_that_differ_between_ranks_are_summed_to_the_same_b
             assert not np.array_equal(first, second)
 
 
+@pytest.mark.slow  # ~16 s: fit and evaluate, refused and then run
 def test_a_dataset_not_dealt_per_group_is_refused_at_the_first_step():
     strategy = mirrored(2)
     model = split_gpt(strategy, 2)

@@ -93,7 +93,8 @@ class Trainer:
         tfpar.zero.update.ZeroUpdate: each replica keeps and updates 1/R of the
         optimizer state (with "gradients" also 1/R of the accumulated gradients), the same
         update as Keras's optimizer (see tfpar.zero.update). Its optimizer state is
-        checkpointed as `checkpoint_items()["optimizer"]`, in Keras's layout.
+        checkpointed as `checkpoint_items()["optimizer"]`, in Keras's layout; the optimizer
+        object passed in saves, restores and loads the same state (tfpar.zero.own_optimizer).
       xla: jit-compile forward + backward (default on). The compiled function is pure:
         it takes the variables' values as tensors (Keras `stateless_call`), which is what
         lets XLA run under MirroredStrategy too (a compiled function that captures mirrored
