@@ -77,14 +77,18 @@ MOVED = 1e-3                    # a reference's weights move at least this far (
 OPTION_KWARGS = {
     "none": {}, "global_clip": {"global_clipnorm": CLIP_GLOBAL}, "clipnorm": {"clipnorm": CLIP_NORM},
     "clipvalue": {"clipvalue": CLIP_VALUE}, "accumulation": {"gradient_accumulation_steps": ACCUMULATION},
-    "ema": {"use_ema": True, "ema_momentum": EMA_MOMENTUM}, "weight_decay": {},
+    "ema": {"use_ema": True, "ema_momentum": EMA_MOMENTUM}, "weight_decay": {}, "decay_excluded": {},
 }
+# Not an all-pairs value (OPTIONS): AdamW's weight decay with the norm excluded by its layer's
+# name, as a user writes it (`exclude_from_weight_decay(var_names=["layer_normalization"])`,
+# matched against the variable's path), for the sharded and tensor-parallel cases.
+DECAY_EXCLUDED = ["layer_normalization"]
 
 
 def family_for(compressor: str, option: str) -> str:
     """The optimizer the user means: AdamW for weight decay, Adam for the Adam compressors,
     SGD with momentum otherwise (exact to 1e-5 across replica counts, see the docstring)."""
-    if option == "weight_decay":
+    if option in ("weight_decay", "decay_excluded"):
         return "adamw"
     return "adam" if compressor in ADAM_COMPRESSORS else "sgd"
 
@@ -225,6 +229,8 @@ def shard_cases() -> list[Run]:
               Run("mirrored", "loop", "float32", "onebit_adam", "none", shard="optimizer"),
               Run("mirrored", "loop", "float32", "none", "ema", shard="optimizer"),
               Run("mirrored", "loop", "float32", "none", "accumulation", shard="gradients")]
+    cases += [Run(s, "loop", "float32", "none", "decay_excluded", shard=m)  # an exclusion by layer name
+              for s in ("mirrored", "multi_worker_mirrored") for m in SHARDS]
     return list(dict.fromkeys(FAST_SHARD_CASES + cases))
 
 
@@ -240,7 +246,7 @@ def tensor_cases() -> list[Run]:
     the refusals."""
     cases = [Run(s, "loop", p, "none", "global_clip", tensor=2)
              for s in ("mirrored", "multi_worker_mirrored") for p in PRECISIONS]
-    cases += [Run("mirrored", "loop", "float32", "none", o, tensor=2) for o in OPTIONS]
+    cases += [Run("mirrored", "loop", "float32", "none", o, tensor=2) for o in (*OPTIONS, "decay_excluded")]
     cases += [Run("mirrored", "fit", "float32", "none", "none", tensor=2),
               Run("mirrored", "loop", "float32", "topk", "none", tensor=2),
               Run("mirrored", "loop", "float32", "none", "global_clip", shard="optimizer", tensor=2),
@@ -356,7 +362,10 @@ def user_optimizer(run: Run):
 
     options = OPTION_KWARGS[run.option]
     if run.family == "adamw":
-        return keras.optimizers.AdamW(LR_ADAM, weight_decay=WEIGHT_DECAY, epsilon=EPSILON, **options)
+        optimizer = keras.optimizers.AdamW(LR_ADAM, weight_decay=WEIGHT_DECAY, epsilon=EPSILON, **options)
+        if run.option == "decay_excluded":
+            optimizer.exclude_from_weight_decay(var_names=DECAY_EXCLUDED)
+        return optimizer
     if run.family == "adam":
         return keras.optimizers.Adam(LR_ADAM, epsilon=EPSILON, **options)
     return keras.optimizers.SGD(LR_SGD, momentum=MOMENTUM, **options)
@@ -594,7 +603,8 @@ def names_of(run: Run) -> dict[str, tuple[str, ...]]:
     """What a refusal may name, per axis: it must name at least one (and a fix)."""
     option = {"global_clip": ("global_clipnorm", "clip"), "clipnorm": ("clipnorm",),
               "clipvalue": ("clipvalue",), "accumulation": ("gradient_accumulation", "accumulat"),
-              "ema": ("ema",), "weight_decay": ("weight_decay", "adamw"), "none": ()}[run.option]
+              "ema": ("ema",), "weight_decay": ("weight_decay", "adamw"),
+              "decay_excluded": ("weight_decay", "adamw", "exclude"), "none": ()}[run.option]
     return {
         "compressor": () if run.compressor == "none" else (run.compressor, run.compressor.replace("_", "-")),
         "option": option,

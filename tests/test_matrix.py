@@ -17,11 +17,16 @@ values in at least one case; its filler values are spread out, see
 option (so each of those pairs is also seen where it is meant to train), plus the sharded
 loop (`Trainer(shard=...)`, `matrix_cases.shard_cases`): every shard mode (optimizer,
 gradients) x precision x strategy with a global clip, and five compositions (fp16 in the
-reduce-scatter, topk with ZeRO-1, EMA; onebit_adam and Keras's accumulation refused): 128
-cases. The fast tier is all-pairs over {default, mirrored} x every mode and precision x
-{none, topk, dgc, onebit_adam} x {none, global clip, accumulation, EMA}, plus two sharded
-cases, all in this process: 18 cases; the other 110 are `slow` (every two-process case
-among them, as tests/conftest.py makes every multi-process test slow).
+reduce-scatter, topk with ZeRO-1, EMA; onebit_adam and Keras's accumulation refused; AdamW
+with the norm excluded from weight decay by its layer's name, each mode on both two-replica
+strategies), plus tensor parallelism (`matrix_cases.tensor_cases`: T = 2, the Megatron MLP of
+tfpar's exported layers, on mirrored and on 2 worker processes x every precision, every
+option and the name exclusion on mirrored; Keras fit, compression, sharding and one device
+refused): 149 cases. The fast tier is all-pairs over {default, mirrored} x every mode and
+precision x {none, topk, dgc, onebit_adam} x {none, global clip, accumulation, EMA}, plus two
+sharded cases and one tensor-parallel case, all in this process: 19 cases; the other 130 are
+`slow` (every two-process case among them, as tests/conftest.py makes every multi-process
+test slow).
 
 Every case trains 4 steps of a global batch of 16 (tests/test_compression.py's MLP: dense
 gradients only, 6,660 weights) and ends in exactly one of:
@@ -326,6 +331,9 @@ def test_the_options_are_active_and_accumulation_is_a_twice_larger_batch(matrix)
         accumulated = matrix.result(M.Run("plain", "tape", "float32", "none", "accumulation", family)).final
         big = matrix.result(M.Run("plain", "tape", "float32", "none", "none", family, 2 * M.BATCH, M.STEPS // 2)).final
         np.testing.assert_allclose(accumulated, big, rtol=M.EXACT_TOL, atol=M.EXACT_TOL)
+    decayed = matrix.result(M.Run("plain", "tape", "float32", "none", "weight_decay", "adamw")).final
+    excluded = matrix.result(M.Run("plain", "tape", "float32", "none", "decay_excluded", "adamw")).final
+    assert np.abs(excluded - decayed).max() > 100 * M.EXACT_TOL  # Keras excludes the norm by its name
 
 
 # -- output ----------------------------------------------------------------------------------
