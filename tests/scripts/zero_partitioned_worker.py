@@ -95,7 +95,6 @@ def main(workdir: str) -> None:
     import tensorflow as tf
 
     from tfpar.errors import WorkdirError
-    from tfpar.strategy import private_api
     from tfpar.zero import checkpoint as zero_checkpoint
     from tfpar.zero import files as zero_files
 
@@ -143,31 +142,25 @@ def main(workdir: str) -> None:
     equal = all(np.allclose(a, b, rtol=1e-6, atol=1e-6) for a, b in zip(after, final))
     print(f"RESUMED step={step} state_equal={same} weights_equal={equal}", flush=True)
 
-    write = private_api.write_saveables
-
     def failing_write(saveables, prefix):
         raise OSError(28, "No space left on device")
 
-    if task == 1:
-        zero_files.private_api.write_saveables = failing_write
-    try:
-        checkpoints(os.path.join(workdir, "failed"), info.is_chief, model, resumed.optimizer).save(STEPS)
-        print("FAILED raised=False", flush=True)
-    except WorkdirError as e:
-        print(f"FAILED raised=True message={str(e)!r}", flush=True)
-    finally:
-        zero_files.private_api.write_saveables = write
+    def prefix_elsewhere(original):  # this worker's files go where the chief does not look
+        return lambda self, d, s, t: original(self, os.path.join(workdir, "private"), s, t)
 
-    prefix = zero_files.WorkerPartitions.prefix
-    if task == 1:  # this worker's files go where the chief does not look
-        zero_files.WorkerPartitions.prefix = lambda self, d, s, t: prefix(self, os.path.join(workdir, "private"), s, t)
-    try:
-        checkpoints(os.path.join(workdir, "unshared"), info.is_chief, model, resumed.optimizer).save(STEPS)
-        print("UNSHARED raised=False", flush=True)
-    except WorkdirError as e:
-        print(f"UNSHARED raised=True message={str(e)!r}", flush=True)
-    finally:
-        zero_files.WorkerPartitions.prefix = prefix
+    faults = (("FAILED", "failed", zero_files.private_api, "write_saveables", lambda original: failing_write),
+              ("UNSHARED", "unshared", zero_files.WorkerPartitions, "prefix", prefix_elsewhere))
+    for label, folder, owner, name, replacement in faults:  # worker 1 fails its part
+        original = getattr(owner, name)
+        if task == 1:
+            setattr(owner, name, replacement(original))
+        try:
+            checkpoints(os.path.join(workdir, folder), info.is_chief, model, resumed.optimizer).save(STEPS)
+            print(f"{label} raised=False", flush=True)
+        except WorkdirError as e:
+            print(f"{label} raised=True message={str(e)!r}", flush=True)
+        finally:
+            setattr(owner, name, original)
     barrier()
 
 
