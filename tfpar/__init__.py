@@ -42,8 +42,8 @@ __all__ = [
 ]
 
 
-_SUBPACKAGES = ("compression", "controller", "data", "evaluation", "launch", "loop", "models",
-                "placement", "recipes", "strategy")
+_SUBPACKAGES = ("compression", "controller", "data", "distribution", "evaluation", "launch", "loop", "models",
+                "placement", "recipes", "strategy", "tensor_parallel", "zero")
 
 
 def __getattr__(name):

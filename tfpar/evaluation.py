@@ -40,12 +40,13 @@ def _batch_sums(model, x, y, w):
 _STEPS: dict = {}  # (model, strategy, jit, check) -> traced eval step: evaluating again does not retrace
 
 
-def _eval_step(model, strategy, jit: bool, batch_check=None):
-    key = (id(model), id(strategy), jit, id(batch_check))
+def _eval_step(model, strategy, jit: bool, batch_check=None, prepare=None):
+    key = (id(model), id(strategy), jit, id(batch_check), id(prepare))
     if key not in _STEPS:
         sums = tf.function(lambda batch: _batch_sums(model, *batch), jit_compile=jit)
 
         def replica(batch):
+            batch = batch if prepare is None else prepare(batch)
             found = sums(batch)
             if batch_check is None:
                 return found
@@ -63,7 +64,7 @@ def _eval_step(model, strategy, jit: bool, batch_check=None):
 
 
 def evaluate(model, strategy: tf.distribute.Strategy, dataset, steps: int, xla: bool = False,
-             batch_check=None) -> dict:
+             batch_check=None, prepare=None) -> dict:
     """Runs `steps` global batches of `dataset` (x, y, weight); returns exact metrics.
 
     `xla` compiles the forward pass on a single replica. With several replicas it stays
@@ -71,8 +72,10 @@ def evaluate(model, strategy: tf.distribute.Strategy, dataset, steps: int, xla: 
     ("Trying to access resource ... located in device CPU:1 from device CPU:0").
     `batch_check(batch)`: a scalar per replica, non-zero when its batch is wrong (a
     tensor-parallel group's replicas must share one); summed into `batch_check`.
+    `prepare(batch)`: what each replica evaluates instead of its batch (a tensor-parallel
+    group's batch gathered).
     """
-    step = _eval_step(model, strategy, xla and strategy.num_replicas_in_sync == 1, batch_check)
+    step = _eval_step(model, strategy, xla and strategy.num_replicas_in_sync == 1, batch_check, prepare)
     iterator = iter(dataset)
     totals = tf.zeros([5 if batch_check is None else 6], tf.float64)
     for _ in range(steps):

@@ -83,7 +83,6 @@ class TensorParallelSum(GradientAggregator):
         self.layout = layout
         self.clip_norm: float | None = None
         self._variables: list = []
-        self._split: list[bool] = []
 
     def check_optimizer(self, optimizer) -> None:
         check_tensor_parallel_optimizer(optimizer)
@@ -91,7 +90,6 @@ class TensorParallelSum(GradientAggregator):
 
     def build(self, variables) -> None:
         self._variables = list(variables)
-        self._split = [spec_of(v) is not None for v in self._variables]
 
     def optimizer_for(self, optimizer):
         """Builds the optimizer now (its slots of a split weight are shards too, matched by
@@ -104,8 +102,9 @@ class TensorParallelSum(GradientAggregator):
         degree = float(self.layout.degree)
         grads = [tf.zeros(v.shape, v.dtype) if g is None else tf.ensure_shape(tf.convert_to_tensor(g), v.shape)
                  for g, v in zip(gradients, variables)]  # an embedding's rows summed densely, static shape
-        split = [i for i, s in enumerate(self._split) if s]
-        whole = [i for i, s in enumerate(self._split) if not s]
+        flags = [spec_of(v) is not None for v in variables]
+        split = [i for i, s in enumerate(flags) if s]
+        whole = [i for i, s in enumerate(flags) if not s]
         summed = list(grads)
         launcher = self.layout.dp_launcher(replica)
         if split:
@@ -120,13 +119,13 @@ class TensorParallelSum(GradientAggregator):
                 parts = self.layout.world_launcher(replica).batch_all_reduce([[grads[i] for i in whole]])
             for i, part in zip(whole, parts):
                 summed[i] = part
-        return self._clipped(summed, replica)
+        return self._clipped(summed, flags, replica)
 
-    def _clipped(self, grads: list, replica: int) -> list:
+    def _clipped(self, grads: list, flags: list, replica: int) -> list:
         """Clips by the whole gradient's norm (Keras's formula); NaN everywhere when it is
         not finite."""
-        split = tf.add_n([tf.reduce_sum(tf.square(g)) for g, s in zip(grads, self._split) if s] or [tf.constant(0.0)])
-        whole = tf.add_n([tf.reduce_sum(tf.square(g)) for g, s in zip(grads, self._split) if not s]
+        split = tf.add_n([tf.reduce_sum(tf.square(g)) for g, s in zip(grads, flags) if s] or [tf.constant(0.0)])
+        whole = tf.add_n([tf.reduce_sum(tf.square(g)) for g, s in zip(grads, flags) if not s]
                          or [tf.constant(0.0)])
         with tf.name_scope(accounting.CHECK_SCOPE):  # a scalar, not a gradient: named apart
             split = self.layout.tp_launcher(replica).all_reduce(split)

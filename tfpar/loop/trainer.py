@@ -52,6 +52,16 @@ def _scaled(gradient, factor):
     return gradient * factor
 
 
+def _evaluation_hooks(layout, gathers: bool) -> tuple:
+    """(batch check, batch preparation) of tfpar.evaluation for a tensor-parallel model
+    (made once: evaluation keeps one traced step per pair)."""
+    if layout is None:
+        return None, None
+    if gathers:
+        return None, lambda batch: tensor_parallel.gather_group_batch(batch, layout)
+    return (lambda batch: tensor_parallel.batch_differs(batch, layout)), None
+
+
 class _RunningMean:
     def __init__(self):
         self.count, self.value = 0, 0.0
@@ -109,7 +119,9 @@ class Trainer:
                  nonfinite: str = "stop", xla: bool | None = None, sum_sparse_rows: bool = True,
                  shard: str | zero.ZeroUpdate = "none"):
         self.model, self.optimizer, self.loss = model, optimizer, loss
-        self.strategy = strategy or tf.distribute.get_strategy()
+        # the strategy given, else the one the model was built under (its scope, or a
+        # keras.distribution that tfpar runs), else the one in scope
+        self.strategy = strategy or getattr(model, "_distribute_strategy", None) or tf.distribute.get_strategy()
         if steps_per_loop < 1 or accumulate < 1:
             raise TrainerError("steps_per_loop and accumulate must be >= 1.")
         self.steps_per_loop, self.accumulate = steps_per_loop, accumulate
@@ -156,8 +168,13 @@ class Trainer:
                 synchronization=tf.VariableSynchronization.ON_READ,
                 aggregation=tf.VariableAggregation.SUM)
             self._guard = None if self._async else NonFiniteGuard(nonfinite)
-        self._batch_check = None if self._tensor_layout is None else tensor_parallel.GroupBatchCheck(
-            self._tensor_layout)  # its first step checks that a TP group shares its batch
+        # a TP group's replicas share one batch: dealt so by tfpar's data (the first step
+        # checks it), or, under a keras.distribution (Keras's dealing), gathered every step
+        self._gathers_batches = self._tensor_layout is not None and getattr(
+            self._tensor_layout.strategy, "_tfpar_plan", None) is not None
+        self._batch_check = None if self._tensor_layout is None or self._gathers_batches else \
+            tensor_parallel.GroupBatchCheck(self._tensor_layout)
+        self._evaluation_hooks = _evaluation_hooks(self._tensor_layout, self._gathers_batches)
         self._skipped_step_state = skipped_step_state(
             () if self._async else self.aggregator.state_variables(), skips, nonfinite)
         self.step = 0  # the next optimizer step; fit sets it from start_step
@@ -190,6 +207,8 @@ class Trainer:
 
     def _replica_step(self, batches: Sequence, index=0):
         variables = self.model.trainable_variables
+        if self._gathers_batches:
+            batches = [tensor_parallel.gather_group_batch(batch, self._tensor_layout) for batch in batches]
         if self._batch_check is not None:
             self._batch_check.in_step(batches[0])
         if self._sharded is not None:
@@ -389,7 +408,7 @@ class Trainer:
             self._batch_check.arm()
         callback_list.on_train_begin()
         callback_list.on_epoch_begin(0)
-        self._run_chunks(iter(dataset), sizes, on_chunk, settle)
+        self._run_chunks(iter(self._distributed(dataset)), sizes, on_chunk, settle)
         callback_list.on_epoch_end(0, logs)
         if sizes and self._sharded is not None:  # as Keras fit ends: with use_ema the model
             self._sharded.finalize(self.model.trainable_variables)  # takes the moving averages
@@ -397,6 +416,13 @@ class Trainer:
             self.optimizer.finalize_variable_values(self.model.trainable_variables)
         callback_list.on_train_end(logs)
         return logs
+
+    def _distributed(self, dataset):
+        """A plain tf.data.Dataset distributed by the strategy (each replica a slice of each
+        global batch); a distributed one as it is."""
+        if isinstance(dataset, tf.data.Dataset) and self.strategy.num_replicas_in_sync > 1 and not self._async:
+            return self.strategy.experimental_distribute_dataset(dataset)
+        return dataset
 
     def evaluate(self, dataset, steps: int) -> dict:
         """Exact loss (cross-entropy), perplexity, accuracy and exact-match over `steps` batches
@@ -406,12 +432,12 @@ class Trainer:
         strategy = tf.distribute.get_strategy() if self._async else self.strategy
         local = not self._async and strategy.num_replicas_in_sync == 1  # XLA: variables here
         layout = self._tensor_layout
-        check = None if layout is None else (lambda batch: tensor_parallel.batch_differs(batch, layout))
-        results = evaluation.evaluate(self.model, strategy, dataset, steps, xla=self.xla and local,
-                                      batch_check=check)
+        check, prepare = self._evaluation_hooks
+        results = evaluation.evaluate(self.model, strategy, self._distributed(dataset), steps,
+                                      xla=self.xla and local, batch_check=check, prepare=prepare)
         if layout is None:
             return results
-        if results.pop("batch_check"):
+        if results.pop("batch_check", 0):
             raise tensor_parallel.mismatch_error(layout, "The evaluation dataset")
         return {**results, "examples": results["examples"] / layout.degree}  # a TP group's T replicas see each
 

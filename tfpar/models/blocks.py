@@ -9,10 +9,11 @@ one device and the feed-forward part on another:
 With `tensor_parallel=T` (built under a strategy with a multiple of T replicas) each stage
 splits as Megatron-LM splits it, with Keras's own layers and weights: attention by heads
 (the query, key and value kernels column-parallel, the output projection row-parallel),
-the MLP by its width (`up` column-parallel, `down` row-parallel); one f before each stage's
-split region, one g inside its row-parallel layer (tfpar.tensor_parallel). The split stage
-has the unsplit stage's layers, weight paths and initial values, so T is a performance
-switch: the same seed gives the same weights, the same files.
+the MLP by its width (`up` column-parallel, `down` row-parallel). The rules below are all
+the model code says; the layers then compute with their split weights, one f before each
+split region and one g in its row-parallel layer (tfpar.tensor_parallel.styles). The split
+stage has the unsplit stage's layers, weight paths and initial values, so T is a
+performance switch: the same seed gives the same weights, the same files.
 
 Example:
     >>> h = SelfAttentionStage(dim=64, heads=4, causal=True)(h)
@@ -95,11 +96,6 @@ def _split_over(degree: int, rules):
         yield layout
 
 
-def _copy_to_region(h, layout, name: str):
-    """f (tfpar.tensor_parallel.copy_to_region) where the stage is split."""
-    return h if layout is None else tp.copy_to_region(h, layout, name=f"{name}_f")
-
-
 @keras.saving.register_keras_serializable(PACKAGE)
 class SelfAttentionStage(layers.Layer):
     """Pre-norm multi-head self-attention with a residual connection; heads split over
@@ -122,13 +118,12 @@ class SelfAttentionStage(layers.Layer):
         self.norm.build(input_shape)
         with _split_over(self.tensor_parallel, ATTENTION_SPLIT) as self.layout:
             self.attention.build(input_shape, input_shape)
-        if self.layout is not None:  # g before the output bias; the heads' dropout per rank
-            tp.row_parallel(self.attention.output_dense, self.layout, name=self.name)
+        if self.layout is not None:  # the attention probabilities of a rank's heads: its own masks
             tp.split_region_dropout(private_api.attention_dropout(self.attention), self.layout)
         self.built = True
 
     def call(self, x, training=None, mask=None):
-        h = _copy_to_region(self.norm(x), self.layout, self.name)
+        h = self.norm(x)
         attention_mask = None
         if mask is not None:
             attention_mask = ops.logical_and(ops.expand_dims(mask, 1), ops.expand_dims(mask, 2))
@@ -166,13 +161,10 @@ class FeedForwardStage(layers.Layer):
         with _split_over(self.tensor_parallel, FEED_FORWARD_SPLIT) as self.layout:
             self.up.build(input_shape)
             self.down.build(tuple(input_shape[:-1]) + (self.hidden,))
-        if self.layout is not None:  # g before down's bias
-            tp.row_parallel(self.down, self.layout, name=self.name)
         self.built = True
 
     def call(self, x, training=None):
-        h = _copy_to_region(self.norm(x), self.layout, self.name)
-        return x + self.dropout(self.down(self.up(h)), training=training)
+        return x + self.dropout(self.down(self.up(self.norm(x))), training=training)
 
     def compute_output_shape(self, input_shape):
         return input_shape

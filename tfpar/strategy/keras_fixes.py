@@ -302,4 +302,7 @@ _FIXES = (
     Fix("optimizer update after the all-reduce (clipping, accumulation, EMA, sparse rows)",
         private_api.optimizer_class, "_backend_apply_gradients", optimizer_update.make_apply_gradients,
         ("self", "grads", "trainable_variables"), _needs_update_names),
+    Fix("the optimizer's own all-reduce skipped where the update summed already (per replica thread)",
+        private_api.optimizer_class, private_api.ALL_REDUCE, optimizer_update.make_all_reduce,
+        ("self", "grads_and_vars")),
 )

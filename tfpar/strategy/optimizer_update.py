@@ -73,17 +73,27 @@ def sparse_rows_summed(enabled: bool):
         SUM_SPARSE_ROWS[0] = saved
 
 
-def _identity(grads_and_vars):
-    return list(grads_and_vars)
-
-
-@contextlib.contextmanager
 def _summed_already(optimizer):
-    """Keras's all-reduce is an identity within the block (on this instance only)."""
+    """Keras's all-reduce is an identity within the block, for this instance, in this
+    replica's thread only (`make_all_reduce`; an instance attribute swapped here would be
+    read by a replica thread that has not summed yet)."""
     from tfpar.strategy import private_api  # pylint: disable=import-outside-toplevel
 
-    with private_api.optimizer_attribute(optimizer, private_api.ALL_REDUCE, _identity):
-        yield
+    return private_api.summed_in_this_thread(optimizer)
+
+
+def make_all_reduce(original):
+    """`_all_reduce_sum_gradients` that is an identity where `_backend_apply_gradients`
+    summed already (in this replica's thread)."""
+    from tfpar.strategy import private_api  # pylint: disable=import-outside-toplevel
+
+    @functools.wraps(original)
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        if private_api.is_summed_in_this_thread(self):
+            return list(grads_and_vars)
+        return original(self, grads_and_vars)
+
+    return _all_reduce_sum_gradients
 
 
 def _is_parameter_server(strategy) -> bool:

@@ -76,6 +76,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Callable, Iterator
 
 import keras
@@ -225,15 +226,47 @@ def collective_key_base(strategy_class, base: int) -> Iterator[None]:
         strategy_class._collective_key_base = saved  # pylint: disable=protected-access
 
 
+_SUMMED = threading.local()  # per replica thread: the optimizers whose gradients are summed already
+
+
+@contextlib.contextmanager
+def summed_in_this_thread(optimizer) -> Iterator[None]:
+    """Within the block, in this thread only, `optimizer`'s (and its wrapped one's)
+    all-reduce is an identity (`is_summed_in_this_thread`). MirroredStrategy runs its
+    replicas in threads that share one optimizer object: an attribute swapped in one
+    replica's thread would be read by another replica still before its sum."""
+    held = _SUMMED.__dict__.setdefault("ids", set())
+    added = {id(o) for o in optimizers_of(optimizer)} - held
+    held.update(added)
+    try:
+        yield
+    finally:
+        held.difference_update(added)
+
+
+def is_summed_in_this_thread(optimizer) -> bool:
+    return id(optimizer) in _SUMMED.__dict__.get("ids", ())
+
+
+def unless_summed(target, all_reduce):
+    """`all_reduce`, or the identity where `target` is summed already in this thread."""
+    def all_reduce_once(grads_and_vars):
+        if is_summed_in_this_thread(target):
+            return list(grads_and_vars)
+        return all_reduce(grads_and_vars)
+    return all_reduce_once
+
+
 def replace_all_reduce(optimizer: keras.optimizers.Optimizer, all_reduce) -> None:
     """Makes `all_reduce(grads_and_vars)` the cross-replica sum inside `optimizer.apply`
     (and its LossScaleOptimizer's inner one), for good: `compress_fit` sends fit's
-    gradients through the compressor there instead of Keras's own all-reduce."""
+    gradients through the compressor there instead of Keras's own all-reduce
+    (tensor parallelism under keras.distribution, its own sums)."""
     for target in optimizers_of(optimizer):
         if not hasattr(target, ALL_REDUCE):
             raise KerasFixError(f"This Keras version's optimizer has no {ALL_REDUCE} (Keras "
                                 f"{keras.__version__}); compressed fit cannot hook into it.")
-        setattr(target, ALL_REDUCE, all_reduce)
+        setattr(target, ALL_REDUCE, unless_summed(target, all_reduce))
 
 
 def add_control_input(op, dependency) -> None:
@@ -628,3 +661,18 @@ def register_merge_saver(name: str, predicate: Callable, prefixes: Callable) -> 
     except ValueError as e:  # registered already (a module imported twice)
         if "already registered" not in str(e).lower():
             raise
+
+
+def layer_kernel(layer):
+    """A Dense or EinsumDense layer's kernel variable (`_kernel`): the `kernel` property
+    refuses until the layer is built, and a layer's bias is created inside its build, right
+    after its kernel (tfpar.tensor_parallel.styles: the bias follows the kernel's split)."""
+    return getattr(layer, "_kernel", None)
+
+
+def in_symbolic_scope() -> bool:
+    """Whether Keras is tracing for shapes only (`SymbolicScope`: building a functional model,
+    `compute_output_spec`), where a split layer computes no numbers and calls no collective."""
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope as symbolic  # pylint: disable=import-outside-toplevel
+
+    return symbolic()

@@ -26,7 +26,7 @@ Example:
     >>> trainer.fit(tfpar.data.distribute_train(strategy, source, 32, tensor_parallel=2), steps=100)
 """
 
-from tfpar.tensor_parallel.data import GroupBatchCheck, batch_differs, mismatch_error
+from tfpar.tensor_parallel.data import GroupBatchCheck, batch_differs, gather_group_batch, mismatch_error
 from tfpar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, current_layout, row_parallel
 from tfpar.tensor_parallel.layout import Layout, TensorParallelError, check_degree, check_divides
 from tfpar.tensor_parallel.mappings import (copy_to_region, gather_from_region, reduce_from_region,
@@ -39,6 +39,6 @@ from tfpar.tensor_parallel.splitting import SplitRule, split_weight, split_weigh
 
 __all__ = ["ColumnParallelLinear", "GroupBatchCheck", "Layout", "RowParallelLinear", "ShardSpec", "SplitRule", "TensorParallelError",
            "batch_differs", "check_degree", "check_divides", "copy_to_region", "copy_weights", "current_layout", "full_weights",
-           "gather_from_region", "kernel_bytes_by_device", "layout_of", "mismatch_error", "reduce_from_region", "replicated_call",
+           "gather_from_region", "gather_group_batch", "kernel_bytes_by_device", "layout_of", "mismatch_error", "reduce_from_region", "replicated_call",
            "row_parallel", "scatter_to_region", "shard_slots", "spec_of", "split_region_dropout", "split_weight",
            "split_weight_count", "split_weights", "unsplit", "whole_shape"]

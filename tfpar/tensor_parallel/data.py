@@ -51,6 +51,19 @@ def batch_differs(batch, layout: Layout) -> tf.Tensor:
     return tf.cast(tf.reduce_any(tf.abs(gathered - mine) > tolerance), tf.float32)
 
 
+def gather_group_batch(batch, layout: Layout):
+    """Every replica of this replica's TP group given the group's whole batch: each
+    tensor of `batch` (any nest) all-gathered along its first axis, in rank order (replica
+    context). What a dataset dealt per replica (Keras's own, under keras.distribution)
+    needs: the group's replicas held consecutive slices of one global batch."""
+    def gather(tensor):
+        if not tf.is_tensor(tensor) or tensor.shape.rank == 0:
+            return tensor
+        with tf.name_scope("tensor_parallel/group_batch"):
+            return layout.tp_all_gather(tensor, axis=0)
+    return tf.nest.map_structure(gather, batch)
+
+
 def mismatch_error(layout: Layout, what: str = "The training dataset") -> TensorParallelError:
     return TensorParallelError(
         f"{what} gives the {layout.degree} replicas of a tensor-parallel group different batches "

@@ -13,11 +13,13 @@ split T ways gives and takes exactly what the unsplit model gives and takes:
 | `load_weights`, `load_model`, `variable.assign(whole)` | `load_own_variables` -> `assign` | split, each copy its shard |
 | `set_weights`, `EarlyStopping(restore_best_weights=True)` | `Layer.set_weights` (shape check) | checked against the whole shape |
 | `count_params`, `summary()` | `summary_utils.count_params` | counted whole |
+| a layer given a split activation | `Layer.__call__` | gathered whole, or kept split by an elementwise layer (tfpar.tensor_parallel.styles) |
 | `fit`, `evaluate`, `predict` | Keras's trainer deals each replica its own batch and sums every gradient | refused by name (use tfpar.Trainer) |
 
 The first two rows are the variable's own methods (a subclass of its class, made for each
-split weight); `set_weights` and `count_params` are Keras's, replaced once for every layer
-(`install()`; `revert()` puts Keras's back) and unchanged for weights that are not split.
+split weight); `set_weights`, `count_params` and `Layer.__call__` are Keras's, replaced once
+for every layer (`install()`; `revert()` puts Keras's back) and unchanged where nothing is
+split (`__call__` asks one attribute of the graph being traced).
 A split model's config leaves T out (as keras.distribution leaves its layout out): a file
 is the model, whatever T wrote it, and a model of any T loads it.
 
@@ -34,7 +36,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar.strategy import keras_fixes, private_api, trainer_fixes
-from tfpar.tensor_parallel import shards
+from tfpar.tensor_parallel import shards, styles
 from tfpar.tensor_parallel.layout import TensorParallelError
 
 _CLASSES: dict = {}  # a Keras variable class -> its whole-value subclass
@@ -112,8 +114,11 @@ def _count_params(original):
 
 def _refuse_keras_trainer(model):
     """fix 3's guard (tfpar.strategy.trainer_fixes): Keras fit/evaluate/predict on a split
-    model are refused by name."""
-    if any(shards.spec_of(v) is not None for v in getattr(model, "weights", ())):
+    model are refused by name, except for one split under a keras.distribution that tfpar
+    runs (tfpar.distribution prepares those)."""
+    layouts = [shards.layout_of_variable(v) for v in getattr(model, "weights", ())]
+    layouts = [layout for layout in layouts if layout is not None]
+    if layouts and getattr(layouts[0].strategy, "_tfpar_plan", None) is None:
         return TensorParallelError(
             "Keras fit, evaluate and predict give every replica its own batch and sum every "
             "gradient over all replicas, which adds the shards of a tensor-parallel model "
@@ -124,11 +129,30 @@ def _refuse_keras_trainer(model):
     return None
 
 
+def _layer_call(original):
+    def __call__(self, *args, **kwargs):
+        """Keras's `Layer.__call__`; where the graph being traced holds split activations,
+        a layer that is not parallel gets them as tfpar.tensor_parallel.styles says."""
+        if getattr(self, styles.STYLE, None) is not None:
+            styles.fit_input_spec(self)
+        styles.attention_dropout_per_rank(self)
+        styles.local_head_counts(self)
+        if styles.marks_in_graph():
+            outputs = styles.layer_call(self, lambda *a, **k: original(self, *a, **k), args, kwargs)
+        else:
+            outputs = original(self, *args, **kwargs)
+        if styles.marks_in_graph():  # marks made inside this call too (a model ending column-parallel)
+            outputs = styles.leaving(self, outputs)
+        return outputs
+    return __call__
+
+
 def _targets():
     from keras.src.layers import layer  # pylint: disable=import-outside-toplevel
     from keras.src.utils import summary_utils  # pylint: disable=import-outside-toplevel
 
-    return ((layer.Layer, "set_weights", _set_weights), (summary_utils, "count_params", _count_params))
+    return ((layer.Layer, "set_weights", _set_weights), (summary_utils, "count_params", _count_params),
+            (layer.Layer, "__call__", _layer_call))
 
 
 def install() -> None:

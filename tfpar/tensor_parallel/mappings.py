@@ -8,6 +8,7 @@ holds 1/T of a layer.
 | `reduce_from_region` | all-reduce over the TP group (g) | identity                   |
 | `scatter_to_region`  | this rank's slice of the last axis | all-gather of the slices |
 | `gather_from_region` | all-gather of the last axis   | this rank's slice             |
+| `scatter_along`, `gather_along` | the same along any axis (e.g. attention heads) | |
 
 `f` goes before a column-parallel layer: its input is whole on every rank, and the input's
 gradient is the sum of every rank's part. `g` ends a row-parallel layer: the partial
@@ -58,36 +59,49 @@ def reduce_from_region(x: tf.Tensor, layout: Layout, name: str = "g") -> tf.Tens
     return g(x)
 
 
-def _own_slice(x: tf.Tensor, layout: Layout) -> tf.Tensor:
-    width = x.shape[-1]
+def _own_slice(x: tf.Tensor, layout: Layout, axis: int = -1) -> tf.Tensor:
+    axis %= x.shape.rank
+    width = x.shape[axis]
     if width is None or width % layout.degree:
-        raise ValueError(f"The last axis ({width}) does not split into {layout.degree} equal parts.")
+        raise ValueError(f"Axis {axis} ({width}) does not split into {layout.degree} equal parts.")
     part = width // layout.degree
     start = layout.rank(layout.here()) * part
-    return x[..., start:start + part]
+    return tf.gather(x, tf.range(start, start + part), axis=axis) if axis != x.shape.rank - 1 else \
+        x[..., start:start + part]
 
 
-def scatter_to_region(x: tf.Tensor, layout: Layout, name: str = "scatter") -> tf.Tensor:
-    """This rank's 1/T of the last axis forward; the slices all-gathered backward."""
+def scatter_along(x: tf.Tensor, layout: Layout, axis: int = -1, name: str = "scatter") -> tf.Tensor:
+    """This rank's 1/T of `axis` forward; the slices all-gathered backward."""
 
     @tf.custom_gradient
     def scatter(x):
         def grad(dy):
             with tf.name_scope(f"{SCOPE}/{name}_backward"):
-                return layout.tp_all_gather(dy, axis=dy.shape.rank - 1)
-        return _own_slice(x, layout), grad
+                return layout.tp_all_gather(dy, axis=axis % dy.shape.rank)
+        return _own_slice(x, layout, axis), grad
 
     return scatter(x)
+
+
+def gather_along(x: tf.Tensor, layout: Layout, axis: int = -1, name: str = "gather") -> tf.Tensor:
+    """Every rank's slice concatenated along `axis` (in rank order) forward; this rank's
+    slice of the gradient backward."""
+
+    @tf.custom_gradient
+    def gather(x):
+        with tf.name_scope(f"{SCOPE}/{name}_forward"):
+            whole = layout.tp_all_gather(x, axis=axis % x.shape.rank)
+        return whole, lambda dy: _own_slice(dy, layout, axis)
+
+    return gather(x)
+
+
+def scatter_to_region(x: tf.Tensor, layout: Layout, name: str = "scatter") -> tf.Tensor:
+    """This rank's 1/T of the last axis forward; the slices all-gathered backward."""
+    return scatter_along(x, layout, -1, name)
 
 
 def gather_from_region(x: tf.Tensor, layout: Layout, name: str = "gather") -> tf.Tensor:
     """Every rank's slice concatenated along the last axis (in rank order) forward; this
     rank's slice of the gradient backward."""
-
-    @tf.custom_gradient
-    def gather(x):
-        with tf.name_scope(f"{SCOPE}/{name}_forward"):
-            whole = layout.tp_all_gather(x, axis=x.shape.rank - 1)
-        return whole, lambda dy: _own_slice(dy, layout)
-
-    return gather(x)
+    return gather_along(x, layout, -1, name)

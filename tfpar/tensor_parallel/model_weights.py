@@ -116,7 +116,7 @@ def replicated_call(model, strategy: tf.distribute.Strategy | None = None) -> Ca
         return strategy.experimental_local_results(
             strategy.run(lambda x: model(x, training=training), args=(x,)))[0]
 
-    def call(x, training=False):
-        return run(tf.convert_to_tensor(x), bool(training))
+    def call(x, training=False):  # x: a tensor or any nest of them (a dict of inputs)
+        return run(tf.nest.map_structure(tf.convert_to_tensor, x), bool(training))
 
     return call

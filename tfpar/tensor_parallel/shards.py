@@ -196,10 +196,13 @@ def set_checkpoint_hooks(variable, spec: ShardSpec, layout: Layout) -> None:
 
 
 def shard_slots(optimizer, variables, layout: Layout) -> int:
-    """Builds `optimizer` on `variables` and marks the slots (momentum, velocity, ...) made
-    from each split weight as shards of the same spec (checkpoint hooks); returns how many.
-    A slot is matched by the variable it was made from (Keras's
-    `add_variable_from_reference`), never by its name."""
+    """Builds `optimizer` on `variables` and makes the slots (momentum, velocity, ...) made
+    from each split weight shards of the same spec (whole-value checkpoints, and Keras's
+    weight APIs: a `.keras` file holds each slot whole, as the unsplit model's optimizer
+    writes it); returns how many. A slot is matched by the variable it was made from
+    (Keras's `add_variable_from_reference`), never by its name."""
+    from tfpar.tensor_parallel import keras_weights  # pylint: disable=import-outside-toplevel
+
     made = private_api.slots_by_reference(optimizer, variables)
     count = 0
     for slot, reference in made:
@@ -213,5 +216,6 @@ def shard_slots(optimizer, variables, layout: Layout) -> int:
                 f"{tuple(reference.shape)}: only optimizers whose state is elementwise train "
                 "split weights (tfpar.loop.tensor_parallel.SUPPORTED).")
         set_checkpoint_hooks(slot, spec, layout)
+        keras_weights.read_and_written_whole(slot)
         count += 1
     return count

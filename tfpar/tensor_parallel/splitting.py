@@ -27,13 +27,13 @@ import contextlib
 import dataclasses
 import inspect
 import re
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import keras
 import tensorflow as tf
 
 from tfpar.strategy import private_api
-from tfpar.tensor_parallel import shards
+from tfpar.tensor_parallel import shards, styles
 from tfpar.tensor_parallel.layout import Layout
 
 
@@ -63,27 +63,60 @@ def split_weight(layer, name: str, shape: tuple, spec: shards.ShardSpec, layout:
     return variable
 
 
-@contextlib.contextmanager
-def split_weights(layout: Layout, rules: Sequence[SplitRule | tuple]) -> Iterator[list]:
-    """Within the block, weights whose path matches a rule are created split over `layout`
-    (the first matching rule wins); yields the list of the weights split so far."""
-    rules = [r if isinstance(r, SplitRule) else SplitRule(*r) for r in rules]
-    made: list = []
+Decide = Callable[[object, str, tuple], Optional[int]]  # (layer, path, whole shape) -> split axis
+
+
+def weight_maker(layout: Layout, decide: Decide, made: list | None = None):
+    """`add_weight(original, layer, *args, **kwargs)`: Keras's `Layer.add_weight`, except that
+    a weight `decide` gives an axis (or a bias that follows its kernel's output split) is
+    created split over `layout` and its layer made parallel (tfpar.tensor_parallel.styles).
+    `made` collects the weights split."""
 
     def add_weight(original, layer, *args, **kwargs):
         given = dict(inspect.signature(original).bind(layer, *args, **kwargs).arguments)
         for key, value in zip(("shape", "initializer", "dtype"), given.pop("args", ())):
             given.setdefault(key, value)  # Keras 2's positional style, which Keras 3 still takes
         shape, name = given.get("shape"), given.get("name")
-        path = private_api.weight_path(layer, name) if name else None
-        rule = next((r for r in rules if path and re.search(r.pattern, path)), None)
-        if rule is None or shape is None:
+        if shape is None or not name:
             return original(layer, *args, **kwargs)
+        path = private_api.weight_path(layer, name)
+        axis = decide(layer, path, tuple(shape))
+        if axis is None and name == "bias":
+            axis = styles.bias_axis(layer)  # a column-parallel layer's bias splits with it
+        if axis is None:
+            return original(layer, *args, **kwargs)
+        styles.check_splittable(layer, name, axis)
         options = {k: v for k, v in given.items() if k not in ("self", "shape", "name", "initializer", "dtype")}
-        variable = split_weight(layer, name, tuple(shape), shards.ShardSpec(rule.axis, layout.degree), layout,
+        variable = split_weight(layer, name, tuple(shape), shards.ShardSpec(axis, layout.degree), layout,
                                 given.get("initializer"), given.get("dtype"), original, **options)
-        made.append(variable)
+        styles.parallelize(layer, layout)
+        if made is not None:
+            made.append(variable)
         return variable
 
-    with private_api.add_weight_replaced(add_weight):
+    return add_weight
+
+
+@contextlib.contextmanager
+def split_weights(layout: Layout, rules: Sequence[SplitRule | tuple] | Decide) -> Iterator[list]:
+    """Within the block, weights whose path matches a rule (the first that matches; or for
+    which `rules(layer, path, shape)` gives an axis) are created split over `layout`, and
+    their layer computes with them (tfpar.tensor_parallel.styles). A bias follows its
+    kernel's output split. Yields the list of the weights split so far.
+
+    Raises:
+      TensorParallelError: a weight of a layer type that cannot split, named.
+    """
+    decide = rules if callable(rules) else by_pattern([r if isinstance(r, SplitRule) else SplitRule(*r)
+                                                       for r in rules])
+    made: list = []
+    with private_api.add_weight_replaced(weight_maker(layout, decide, made)):
         yield made
+
+
+def by_pattern(rules: list[SplitRule]) -> Decide:
+    """The first rule whose pattern is found in the weight's path gives its axis."""
+    def decide(layer, path: str, shape: tuple):  # pylint: disable=unused-argument
+        rule = next((r for r in rules if re.search(r.pattern, path)), None)
+        return None if rule is None else rule.axis
+    return decide

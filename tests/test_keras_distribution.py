@@ -1,0 +1,188 @@
+"""keras.distribution on TensorFlow through tfpar: the keras.io guide's programs ("distributed
+training with Keras 3"), rewritten here with one line added, `tfpar.distribution.enable()`,
+train with `model.fit` and with `tfpar.Trainer` and equal the same model on one device."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpar
+from tfpar import tensor_parallel as tp
+
+STEPS, BATCH = 3, 16
+
+
+@pytest.fixture(autouse=True)
+def enabled():
+    tfpar.distribution.enable()
+    yield
+    keras.distribution.set_distribution(None)
+
+
+def mnist_like():
+    rng = np.random.RandomState(0)
+    x = rng.rand(STEPS * BATCH, 28, 28, 1).astype("float32")
+    y = keras.utils.to_categorical(rng.randint(0, 10, STEPS * BATCH), 10).astype("float32")
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+
+
+def guide_model():
+    """The guide's model, its Dense layers named as its layout map names them (and dropout
+    off: its masks are random)."""
+    inputs = keras.layers.Input(shape=(28, 28, 1))
+    y = keras.layers.Flatten()(inputs)
+    y = keras.layers.Dense(units=200, use_bias=False, activation="relu", name="d1")(y)
+    y = keras.layers.Dropout(0.0)(y)
+    y = keras.layers.Dense(units=10, activation="softmax", name="d2")(y)
+    return keras.Model(inputs=inputs, outputs=y)
+
+
+def one_device():
+    keras.distribution.set_distribution(None)
+    keras.utils.set_random_seed(0)
+    model = guide_model()
+    model.compile(loss="mse", optimizer=keras.optimizers.Adam(1e-2))
+    model.fit(mnist_like(), epochs=1, verbose=0, shuffle=False)
+    return model.get_weights()
+
+
+def assert_equal(actual, expected, tol=1e-5):
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        np.testing.assert_allclose(a, e, rtol=tol, atol=tol)
+
+
+def test_the_guides_data_parallel_program_runs_on_tensorflow():
+    expected = one_device()
+    devices = keras.distribution.list_devices()
+    mesh = keras.distribution.DeviceMesh(shape=(2,), axis_names=["batch"], devices=devices[:2])
+    keras.distribution.set_distribution(keras.distribution.DataParallel(device_mesh=mesh))
+    keras.utils.set_random_seed(0)
+    model = guide_model()
+    model.compile(loss="mse", optimizer=keras.optimizers.Adam(1e-2))
+    assert model.distribute_strategy.num_replicas_in_sync == 2
+    model.fit(mnist_like(), epochs=1, verbose=0, shuffle=False)
+    model.evaluate(mnist_like(), verbose=0)
+    assert_equal(model.get_weights(), expected)
+
+
+def model_parallel(devices=4, model_axis=2):
+    mesh = keras.distribution.DeviceMesh(shape=(devices // model_axis, model_axis), axis_names=["batch", "model"],
+                                         devices=keras.distribution.list_devices()[:devices])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["d1/kernel"] = (None, "model")
+    layout_map["d1/bias"] = ("model",)
+    layout_map["d2/output"] = ("batch", None)
+    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+
+
+def test_the_guides_model_parallel_program_runs_on_tensorflow():
+    expected = one_device()
+    keras.distribution.set_distribution(model_parallel())
+    keras.utils.set_random_seed(0)
+    model = guide_model()
+    model.compile(loss="mse", optimizer=keras.optimizers.Adam(1e-2))
+    kernel = model.get_layer("d1").kernel
+    assert tp.spec_of(kernel) is not None and tuple(kernel.shape) == (784, 100)  # half of 200 per device
+    model.fit(mnist_like(), epochs=1, verbose=0, shuffle=False)
+    assert_equal(model.get_weights(), expected)
+    evaluated = model.evaluate(mnist_like(), verbose=0)
+    predicted = model.predict(mnist_like(), verbose=0)
+    keras.distribution.set_distribution(None)
+    plain = guide_model()
+    plain.set_weights(model.get_weights())
+    plain.compile(loss="mse")
+    np.testing.assert_allclose(evaluated, plain.evaluate(mnist_like(), verbose=0), rtol=1e-5)
+    np.testing.assert_allclose(predicted, plain.predict(mnist_like(), verbose=0), rtol=1e-5, atol=1e-6)
+
+
+# -- a transformer of plain keras.layers, split by a hand-written layout map -----------------
+
+def user_transformer(vocab=32, dim=32, heads=4, seq=8):
+    """The user's own: an embedding, a pre-norm attention and MLP block, a head."""
+    tokens = keras.Input((seq,), dtype="int32")
+    h = keras.layers.Embedding(vocab, dim, name="embed")(tokens)
+    a = keras.layers.LayerNormalization(name="ln1")(h)
+    a = keras.layers.MultiHeadAttention(heads, dim // heads, name="attn")(a, a, use_causal_mask=True)
+    h = keras.layers.Add()([h, a])
+    m = keras.layers.LayerNormalization(name="ln2")(h)
+    m = keras.layers.Dense(4 * dim, activation="gelu", name="up")(m)
+    m = keras.layers.Dense(dim, name="down")(m)
+    h = keras.layers.Add()([h, m])
+    return keras.Model(tokens, keras.layers.Dense(vocab, name="head")(h))
+
+
+def megatron_map(mesh):
+    """Megatron's split, by hand: heads, the MLP's width, the vocabulary (embedding, head)."""
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["embed/embeddings"] = ("model", None)
+    layout_map["attn/(query|key|value)/kernel"] = (None, "model", None)
+    layout_map["attn/(query|key|value)/bias"] = ("model", None)
+    layout_map["attn/attention_output/kernel"] = ("model", None, None)
+    layout_map["up/kernel"] = (None, "model")
+    layout_map["up/bias"] = ("model",)
+    layout_map["down/kernel"] = ("model", None)
+    layout_map["head/kernel"] = (None, "model")  # the logits split, gathered as the model returns them
+    return layout_map
+
+
+def tokens(count=3, rows=8):
+    x = np.random.RandomState(1).randint(0, 32, size=(count * rows, 9)).astype("int32")
+    return tf.data.Dataset.from_tensor_slices((x[:, :-1], x[:, 1:])).batch(rows)
+
+
+@pytest.mark.parametrize("devices,model_axis", [(2, 2), pytest.param(4, 2, marks=pytest.mark.slow)])
+def test_a_transformer_of_plain_keras_layers_split_by_a_hand_written_map(devices, model_axis):
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def trained():
+        keras.utils.set_random_seed(0)
+        model = user_transformer()
+        model.compile(loss=loss, optimizer=keras.optimizers.AdamW(1e-2, global_clipnorm=0.5, epsilon=1e-3))
+        model.fit(tokens(), epochs=1, verbose=0, shuffle=False)
+        return model
+
+    expected = trained().get_weights()
+    mesh = keras.distribution.DeviceMesh((devices // model_axis, model_axis), ["batch", "model"],
+                                         keras.distribution.list_devices()[:devices])
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=megatron_map(mesh),
+                                                                         batch_dim_name="batch"))
+    model = trained()
+    assert tp.split_weight_count(model) == 13  # q, k, v (kernels, biases), out; up x2, down; embed; head x2
+    assert_equal(model.get_weights(), expected)
+
+
+# -- what cannot be honoured is refused by name ------------------------------------------------
+
+def refused(layout_map_entries, build, match, error=tp.TensorParallelError):
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], keras.distribution.list_devices()[:2])
+    with pytest.raises(error, match=match):
+        layout_map = keras.distribution.LayoutMap(mesh)
+        for key, value in layout_map_entries.items():
+            layout_map[key] = value
+        keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map,
+                                                                             batch_dim_name="batch"))
+        build()
+    keras.distribution.set_distribution(None)
+
+
+def test_layout_maps_tfpar_cannot_honour_are_refused_by_name():
+    def functional(layer, shape=(4,)):  # a functional model: the layer's weights are "<name>/<weight>"
+        inputs = keras.Input(shape)
+        return keras.Model(inputs, layer(inputs))
+
+    def dense(units=3):
+        return lambda: functional(keras.layers.Dense(units, name="d"))
+
+    refused({"d/kernel": (None, "model")}, dense(3),
+            r"splits d/kernel \(shape \(4, 3\)\) along dimension 1 over the 2 devices of 'model', which do not divide 3")
+    refused({"d/kernel": ("data", "model")}, dense(4), r"Invalid axis names .* Got \{'data', 'model'\}",
+            ValueError)  # Keras's own LayoutMap refuses it (tfpar refuses it where the map has no mesh)
+    refused({"d/kernel": ("model",)}, dense(4), r"1 dimension\(s\), but the weight has shape \(4, 4\)")
+    refused({"d/kernel": ("model", "model")}, dense(4), r"2 dimensions on 'model'")
+    refused({"d/output": (None, "model")}, dense(4), r"lays the activation d/output out as \(None, 'model'\)")
+    refused({"n/gamma": ("model",)}, lambda: functional(keras.layers.LayerNormalization(name="n")),
+            r"n/gamma \(a LayerNormalization weight\) cannot be split")
+    refused({"c/kernel": (None, None, None, "model")}, lambda: functional(keras.layers.Conv2D(4, 3, name="c"), (8, 8, 1)),
+            r"c/kernel \(a Conv2D weight\) cannot be split")
