@@ -171,3 +171,37 @@ def test_refused_by_the_devices_at_start(tmp_path):
     config.optimizer.name = "lamb"
     with pytest.raises(ConfigError, match="LAMB scales each variable by its whole norm"):
         validate(config)
+
+
+def keras_hub_config(tmp_path, tensor, steps=STEPS):
+    """The binary on a keras-hub Llama preset (a directory save_to_preset wrote: the format
+    of keras-hub's published presets), split T ways by Llama's own layout map."""
+    import ml_collections
+
+    preset = tmp_path / "llama_preset"
+    if not preset.exists():
+        keras_hub = pytest.importorskip("keras_hub")
+        keras.utils.set_random_seed(0)
+        keras_hub.models.LlamaBackbone(vocabulary_size=256, num_layers=1, num_query_heads=4, num_key_value_heads=2,
+                                       hidden_dim=32, intermediate_dim=64,
+                                       max_sequence_length=SEQ).save_to_preset(str(preset))
+    config = config_for(tensor=tensor)
+    config.model = "keras_hub"
+    config.model_args = ml_collections.ConfigDict(dict(backbone="LlamaBackbone", preset=str(preset), args={}))
+    config.train.update(steps=steps, xla=False)
+    validate(config)
+    return config
+
+
+@pytest.mark.slow
+def test_a_keras_hub_preset_trains_split_through_the_binary_and_resumes_at_its_step(tmp_path):
+    """parallel.tensor=2 on a Llama preset, stopped at step 3 and resumed, ends at step 6 on
+    the weights and optimizer state of the unsplit run (T = 1) of the same preset."""
+    train_and_evaluate(keras_hub_config(tmp_path, 1), str(tmp_path / "unsplit"))
+    train_and_evaluate(keras_hub_config(tmp_path, 2, steps=3), str(tmp_path / "split"))
+    train_and_evaluate(keras_hub_config(tmp_path, 2), str(tmp_path / "split"))
+    path_a, a = checkpoint(str(tmp_path / "unsplit"))
+    path_b, b = checkpoint(str(tmp_path / "split"))
+    assert path_a.endswith("ckpt-6") and path_b.endswith("ckpt-6") and a.keys() == b.keys() and a
+    for name in a:
+        np.testing.assert_allclose(b[name], a[name], rtol=1e-5, atol=1e-5, err_msg=name)

@@ -30,6 +30,7 @@ BALANCES = ("params", "flops", "seconds")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 REMATS = ("none", "full", "attention")
 SHARDS = ("none", "optimizer", "gradients")
+SPLITTABLE_MODELS = ("gpt", "keras_hub")
 PIPELINE_KEYS = ("balance", "schedule", "microbatches", "chunks", "remat")
 
 
@@ -78,6 +79,9 @@ def _validate_pipeline(config) -> None:
              "docs/placement.md).")
     _require(p.tensor == 1, "tensor", "a pipeline of tensor-parallel stages is not built: use "
              "parallel.stages or parallel.tensor, not both.")
+    _require(config.model != "keras_hub", "stages", "a pipeline of a keras-hub backbone is not built: "
+             "its blocks take a padding mask beside the activations (docs/placement.md, 'Side "
+             "inputs'). Use parallel.tensor, or --config.model=gpt for a pipeline.")
     if p.schedule == "interleaved":
         _require(p.chunks >= 2, "chunks", "schedule interleaved puts v >= 2 stage groups on each "
                  "device: set --config.parallel.chunks=2 (or more).")
@@ -106,17 +110,19 @@ def _validate_tensor(config) -> None:
     if p.tensor == 1:
         return
     t, kind, args = p.tensor, _strategy_kind(config), config.model_args
-    _require(config.model == "gpt", "tensor", f"tensor-parallel layers are built for gpt's blocks, "
-             f"not {config.model}: use --config.model=gpt, or parallel.tensor=1.")
+    _require(config.model in SPLITTABLE_MODELS, "tensor", f"tfpar knows how to split "
+             f"{' and '.join(SPLITTABLE_MODELS)} (gpt's blocks; a keras-hub backbone by its layout "
+             f"map), not {config.model}: use --config.model=gpt or keras_hub, or parallel.tensor=1.")
     _require(kind in (None, "mirrored", "multi_worker_mirrored"), "tensor",
              f"tensor parallelism runs under mirrored or multi_worker_mirrored, not {kind} (on a "
              "TPU, XLA's own sharding is the engine: docs/tensor_parallel.md).")
-    heads, width = args.get("heads", 4), args.get("dim", 128) * args.get("mlp_ratio", 4)
-    _require(heads % t == 0, "tensor", f"T={t} does not divide the {heads} attention heads (each "
-             f"device holds whole heads): use a T that divides {heads}, or a multiple of {t} heads "
-             "(--config.model_args.heads, dividing model_args.dim).")
-    _require(width % t == 0, "tensor", f"T={t} does not divide the MLP width {width} (dim x "
-             f"mlp_ratio): use a T that divides {width}.")
+    if config.model == "gpt":  # a keras-hub backbone's layout map checks its own sizes at build
+        heads, width = args.get("heads", 4), args.get("dim", 128) * args.get("mlp_ratio", 4)
+        _require(heads % t == 0, "tensor", f"T={t} does not divide the {heads} attention heads (each "
+                 f"device holds whole heads): use a T that divides {heads}, or a multiple of {t} heads "
+                 "(--config.model_args.heads, dividing model_args.dim).")
+        _require(width % t == 0, "tensor", f"T={t} does not divide the MLP width {width} (dim x "
+                 f"mlp_ratio): use a T that divides {width}.")
     _require(config.compression == "none", "tensor", "a tensor-parallel model sums its gradients "
              "over data-parallel groups only; a compression would sum its split gradients: use "
              "--config.compression=none.")

@@ -220,7 +220,7 @@ def build(run: _Run) -> None:
     run.model, run.optimizer, run.compression = model, optimizer, compression
     run.say(f"model: {model.name}, {model.count_params():,} parameters, stages: "
             f"{', '.join(name for name, _ in model.stages())}")
-    for line in filter(None, [run_parallel.describe(config, stage_plan),
+    for line in filter(None, [run_parallel.describe(config, stage_plan), getattr(model, "tfpar_parallel_line", None),
                               stage_plan and stage_plan.table()]):
         run.say(line)
     if config.data.augment and run.splits.info.get("kind") == "image":

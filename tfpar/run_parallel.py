@@ -96,9 +96,32 @@ def build_model(config, data_info: dict):
 
     if config.parallel.tensor == 1:
         return recipes.build_model(config, data_info)
+    if config.model == "keras_hub":  # split by its layout map, where its weights are made
+        return _split_by_layout_map(config, data_info)
     split = ml_collections.ConfigDict(config.to_dict())
     split.model_args.tensor_parallel = config.parallel.tensor
     return recipes.build_model(split, data_info)
+
+
+def _split_by_layout_map(config, data_info: dict):
+    """A keras-hub model built with its weights split by its backbone's layout map
+    (tfpar.models.layout_maps) over T = parallel.tensor replicas of the strategy in scope."""
+    import keras  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    from tfpar import recipes, tensor_parallel  # pylint: disable=import-outside-toplevel
+    from tfpar.models.layout_maps import layout_map_for  # pylint: disable=import-outside-toplevel
+    from tfpar.tensor_parallel.layout_map import LayoutMapSplits  # pylint: disable=import-outside-toplevel
+
+    degree, strategy = config.parallel.tensor, tf.distribute.get_strategy()
+    replicas = strategy.num_replicas_in_sync
+    devices = [f"cpu:{i}" for i in range(replicas)]  # names only: the map reads the mesh's axes and shape
+    mesh = keras.distribution.DeviceMesh((replicas // degree, degree), ["batch", "model"], devices)
+    splits = LayoutMapSplits(layout_map_for(config.model_args.backbone, mesh), "batch", "model", degree)
+    with tensor_parallel.split_weights(tensor_parallel.Layout.of(strategy, degree), splits.decide):
+        model = recipes.build_model(config, data_info)
+    model.tfpar_parallel_line = splits.describe()
+    return model
 
 
 def plan(config, strategy, data_info: dict, sample):
