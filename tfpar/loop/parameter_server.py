@@ -17,11 +17,17 @@ Example:
 from __future__ import annotations
 
 import collections
+import time
 from typing import Callable, Iterable
 
 import tensorflow as tf
 
+from tfpar.strategy import private_api
 from tfpar.strategy.describe import describe
+
+#: How long `fetch` waits for a function whose worker died before its result reached the
+#: chief to have run again on another worker.
+REFETCH_PATIENCE_S = 300.0
 
 
 def is_parameter_server(strategy: tf.distribute.Strategy) -> bool:
@@ -52,7 +58,30 @@ class AsyncSteps:
             pending.append((n, self.coordinator.schedule(function, args=(iterator, tf.constant(n)))))
             while len(pending) >= self.in_flight:
                 done, value = pending.popleft()
-                on_done(done, float(value.fetch()))
+                on_done(done, float(fetch(value)))
         while pending:
             done, value = pending.popleft()
-            on_done(done, float(value.fetch()))
+            on_done(done, float(fetch(value)))
+
+
+def fetch(value, patience_s: float = REFETCH_PATIENCE_S):
+    """`value.fetch()`, surviving a worker that dies between finishing the function and
+    handing its result to the chief.
+
+    The coordinator marks a result ready before it copies it to the chief; when the worker
+    dies in between, the copy fails on the chief (UnavailableError) while the coordinator
+    puts the function back and runs it on a live worker. This waits for that result. A
+    function that failed for good (a parameter server lost, an error in the step) raises
+    at once, as `fetch()` does.
+
+    Example:
+        >>> loss = fetch(coordinator.schedule(train_fn, args=(iterator,)))
+    """
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            return value.fetch()
+        except (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.DeadlineExceededError):
+            if private_api.remote_value_failed(value) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)  # the coordinator is putting the function back on a live worker

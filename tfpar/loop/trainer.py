@@ -283,8 +283,8 @@ class Trainer:
     def train_steps(self, iterator, steps: int) -> float:
         """Runs `steps` optimizer steps from `iterator` from `self.step`; returns their mean loss."""
         if self._async:
-            loss = float(self._async.coordinator.schedule(
-                self._scheduled_loop, args=(iterator, tf.constant(steps))).fetch())
+            loss = float(parameter_server.fetch(self._async.coordinator.schedule(
+                self._scheduled_loop, args=(iterator, tf.constant(steps)))))
         else:
             loss, bad, first = self._train_loop(iterator, tf.constant(steps), self._phase(self.step))
             if self._batch_check is not None:

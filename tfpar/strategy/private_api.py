@@ -64,6 +64,11 @@ Touches:
 - `tensorflow.python.training.saving.saveable_object.SaveSpec` with a callable: what a
   `_serialize_to_tensors` returns so that a value is computed only when a checkpoint is
   written (a restore builds the same specs and must not run a collective): `save_spec`.
+- `RemoteValueImpl._error` (TensorFlow's ClusterCoordinator): a scheduled function's
+  result is marked ready before it is copied to the chief, so a worker killed in between
+  makes the chief's `fetch()` fail although the coordinator runs the function again
+  elsewhere. A failed copy leaves `_error` unset; a failed function sets it
+  (`remote_value_failed`, tfpar.loop.parameter_server).
 - ZeRO's checkpoint and Keras-file touches (Keras's weight-decay decision, TensorFlow's
   checkpoint hooks on the caller's optimizer, sliced saveables, a per-worker write, a
   registered merge): listed with their reasons in the section at the end of this module.
@@ -676,3 +681,10 @@ def in_symbolic_scope() -> bool:
     from keras.src.backend.common.symbolic_scope import in_symbolic_scope as symbolic  # pylint: disable=import-outside-toplevel
 
     return symbolic()
+
+
+def remote_value_failed(value) -> bool:
+    """Whether a ClusterCoordinator RemoteValue holds its function's own error (set by the
+    coordinator: the function failed for good), not merely a copy that could not reach
+    the chief."""
+    return getattr(value, "_error", None) is not None
