@@ -378,14 +378,15 @@ def local_head_counts(layer) -> None:
                    is not None), None)
     if layout is None:
         return
+    object.__setattr__(layer, "_tfpar_heads_layout", layout)  # per instance: the class is shared
     cls = type(layer)
     if cls not in _HEAD_CLASSES:
         def count(name):
             def get(self):
-                whole = self.__dict__[name]
+                whole, split = self.__dict__[name], self.__dict__["_tfpar_heads_layout"]
                 context = tf.distribute.get_replica_context()
-                inside = context is not None and context.strategy is layout.strategy
-                return whole // layout.degree if inside else whole
+                inside = context is not None and context.strategy is split.strategy
+                return whole // split.degree if inside else whole
 
             def put(self, value):
                 self.__dict__[name] = value
@@ -397,4 +398,4 @@ def local_head_counts(layer) -> None:
 def _rotary(layer) -> bool:
     """keras-hub's RotaryEmbedding rotates each head along its last axis: a split of the
     heads (not of the head's features) goes through it."""
-    return type(layer).__name__ == "RotaryEmbedding"
+    return any(cls.__name__ == "RotaryEmbedding" for cls in type(layer).__mro__)  # Llama's subclasses it
