@@ -26,8 +26,9 @@ decide alike on every rank.
 Optimizers: an allow-list, as under ZeRO (`SUPPORTED`: those whose update of an element
 reads only that element and a few scalars, so a shard updates as its part of the whole).
 Refused: compression (it would replace these sums), per-variable `clipnorm` (it needs each
-whole variable's norm), LAMB, Adafactor, Muon and any optimizer not listed, `use_ema` (its
-average is taken in the cross-replica context, which reads one shard).
+whole variable's norm), LAMB, Adafactor, Muon and any optimizer not listed. `use_ema` and
+Keras's `gradient_accumulation_steps` update each replica's copy from its own copies
+(tfpar.strategy.optimizer_update), so a shard's average and accumulator are its own.
 
 Example:
     >>> aggregator = TensorParallelSum(layout_of(model))   # tfpar.Trainer picks it itself
@@ -69,10 +70,6 @@ def check_tensor_parallel_optimizer(optimizer) -> None:
             f"clipnorm={base.clipnorm} clips each variable by its own norm, which a "
             "tensor-parallel replica holds only a shard of: use global_clipnorm (the norm "
             "of the whole gradient, agreed across the TP group).")
-    if base.use_ema:
-        raise TensorParallelError(
-            "use_ema averages the weights in the cross-replica context, which reads one "
-            "shard for every replica: leave use_ema off under tensor parallelism.")
 
 
 class TensorParallelSum(GradientAggregator):

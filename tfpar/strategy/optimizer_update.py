@@ -135,7 +135,7 @@ def _apply_with_conds_across_replicas(optimizer, context, grads, variables) -> N
     else:
         _update(optimizer, grads, variables)
     if optimizer.use_ema:
-        context.merge_call(lambda strategy: _moving_average(optimizer))
+        context.merge_call(lambda strategy: _moving_average(strategy, optimizer))
 
 
 def _update(optimizer, grads, variables) -> None:
@@ -152,8 +152,9 @@ def _accumulate(optimizer, context, grads, variables) -> None:
     accumulators = [optimizer._accumulated_gradients[optimizer._get_variable_index(v)] for v in variables]
     is_update_step = tf.equal((optimizer._iterations + 1) % steps, 0)
 
-    def update(grads):
-        _update(optimizer, [(g + a) / steps for g, a in zip(grads, accumulators)], variables)
+    def update(grads):  # a replica thread of its own (call_for_each_replica): summed already there too
+        with _summed_already(optimizer):
+            _update(optimizer, [(g + a) / steps for g, a in zip(grads, accumulators)], variables)
 
     def add(grads):
         optimizer._backend_increment_gradient_accumulators(grads, accumulators)
@@ -162,7 +163,7 @@ def _accumulate(optimizer, context, grads, variables) -> None:
         def update_and_reset():
             strategy.extended.call_for_each_replica(update, args=(grads,))
             for accumulator in accumulators:  # cross-replica: every copy, once
-                accumulator.assign(tf.zeros(accumulator.shape, accumulator.dtype))
+                _per_copy(strategy, accumulator, lambda copy: copy.assign(tf.zeros_like(copy)))
             return tf.constant(True)
 
         def accumulate():
@@ -174,9 +175,18 @@ def _accumulate(optimizer, context, grads, variables) -> None:
     context.merge_call(across_replicas, args=(is_update_step, grads))
 
 
-def _moving_average(optimizer) -> None:
-    """Keras's EMA update and its periodic overwrite, in the cross-replica context (the
-    variables are the same on every replica, so one value is written to every copy)."""
+def _per_copy(strategy, variable, fn, *args) -> None:
+    """`fn(copy, *arg copies)` on each replica's copy of `variable` (cross-replica context),
+    each reading its own replica's copies of `args`: right where the copies differ (a
+    tensor-parallel model's split weights and their slots, each copy a shard), the same as
+    one write to every copy where they do not."""
+    unwrap = lambda v: getattr(v, "value", v)  # noqa: E731  (a Keras variable's tf.Variable)
+    strategy.extended.update(unwrap(variable), fn, args=tuple(unwrap(a) for a in args), group=False)
+
+
+def _moving_average(strategy, optimizer) -> None:
+    """Keras's EMA update and its periodic overwrite, in the cross-replica context, each
+    replica's copy from its own copies (`_per_copy`)."""
     # pylint: disable=protected-access
     step = optimizer.iterations  # before apply's increment, as Keras reads it
     momentum = tf.cast(tf.not_equal(step, 0), tf.float32) * optimizer.ema_momentum
@@ -184,14 +194,15 @@ def _moving_average(optimizer) -> None:
     for variable, average in pairs:
         if average is not None:
             decay = tf.cast(momentum, average.dtype)
-            average.assign(decay * average + (1 - decay) * tf.cast(variable, average.dtype))
+            _per_copy(strategy, average, lambda copy, weight, decay=decay: copy.assign(
+                decay * copy + (1 - decay) * tf.cast(weight, copy.dtype)), variable)
     if not optimizer.ema_overwrite_frequency:
         return
 
     def overwrite():
         for variable, average in pairs:
             if average is not None:
-                variable.assign(average)
+                _per_copy(strategy, variable, lambda copy, mean: copy.assign(tf.cast(mean, copy.dtype)), average)
         return tf.constant(True)
 
     due = tf.equal((step + 1) % optimizer.ema_overwrite_frequency, 0)
