@@ -20,7 +20,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
+import tensorflow as tf
 
 from tfpar.compression.auto import Auto
 from tfpar.compression.compressed_aggregator import Compression
@@ -31,7 +34,7 @@ from tfpar.strategy import private_api
 def compress_fit(model: keras.Model, compression: Compressor | Compression) -> Compression:
     """Makes `model.fit` aggregate gradients through `compression`; returns the Compression
     (its `checkpoint_items()` belong in your checkpoint). Call after `compile`, under the
-    strategy's scope."""
+    strategy's scope (or outside it: the model's strategy is used)."""
     if getattr(model, "optimizer", None) is None:
         raise CompressionError("compress_fit needs a compiled model: call model.compile(...) first.")
     compression = compression if isinstance(compression, Compression) else Compression(compression)
@@ -51,8 +54,12 @@ def compress_fit(model: keras.Model, compression: Compressor | Compression) -> C
             "without rank_schedule.")
     compression.check_optimizer(model.optimizer)
     variables = list(model.trainable_weights)
-    compression.build(variables)
-    model.optimizer = compression.optimizer_for(model.optimizer)
+    _refuse_split(variables)
+    # the state (error feedback, per replica) under the model's strategy, also when called
+    # outside its scope (a keras.distribution model: tfpar made its strategy)
+    with contextlib.nullcontext() if tf.distribute.has_strategy() else model.distribute_strategy.scope():
+        compression.build(variables)
+        model.optimizer = compression.optimizer_for(model.optimizer)
 
     def all_reduce(grads_and_vars):
         grads_and_vars = list(grads_and_vars)
@@ -65,3 +72,18 @@ def compress_fit(model: keras.Model, compression: Compressor | Compression) -> C
 
     private_api.replace_all_reduce(model.optimizer, all_reduce)
     return compression
+
+
+def _refuse_split(variables) -> None:
+    """A tensor-parallel model's split gradients are summed over their data-parallel group
+    only (tfpar.loop.tensor_parallel): a compressor in the all-reduce's place would sum
+    them across their tensor-parallel group too."""
+    from tfpar.tensor_parallel.shards import spec_of  # pylint: disable=import-outside-toplevel
+
+    split = [v.path for v in variables if spec_of(v) is not None]
+    if split:
+        raise CompressionError(
+            f"compress_fit on a tensor-parallel model ({len(split)} split weights, e.g. {split[0]}): "
+            "its split gradients must not be summed across their tensor-parallel group, which a "
+            "compressor in the all-reduce's place would do. Leave compress_fit out for a split "
+            "model (or train the model unsplit with compression).")

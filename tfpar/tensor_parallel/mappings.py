@@ -70,6 +70,14 @@ def _own_slice(x: tf.Tensor, layout: Layout, axis: int = -1) -> tf.Tensor:
         x[..., start:start + part]
 
 
+def _all_gather(x: tf.Tensor, layout: Layout, axis: int) -> tf.Tensor:
+    """All-gather over the TP group along `axis`; bfloat16 travels as float32 (exact), as
+    TensorFlow's collective gather has no bfloat16 kernel."""
+    if x.dtype == tf.bfloat16:
+        return tf.cast(layout.tp_all_gather(tf.cast(x, tf.float32), axis=axis), tf.bfloat16)
+    return layout.tp_all_gather(x, axis=axis)
+
+
 def scatter_along(x: tf.Tensor, layout: Layout, axis: int = -1, name: str = "scatter") -> tf.Tensor:
     """This rank's 1/T of `axis` forward; the slices all-gathered backward."""
 
@@ -77,7 +85,7 @@ def scatter_along(x: tf.Tensor, layout: Layout, axis: int = -1, name: str = "sca
     def scatter(x):
         def grad(dy):
             with tf.name_scope(f"{SCOPE}/{name}_backward"):
-                return layout.tp_all_gather(dy, axis=axis % dy.shape.rank)
+                return _all_gather(dy, layout, axis % dy.shape.rank)
         return _own_slice(x, layout, axis), grad
 
     return scatter(x)
@@ -90,7 +98,7 @@ def gather_along(x: tf.Tensor, layout: Layout, axis: int = -1, name: str = "gath
     @tf.custom_gradient
     def gather(x):
         with tf.name_scope(f"{SCOPE}/{name}_forward"):
-            whole = layout.tp_all_gather(x, axis=axis % x.shape.rank)
+            whole = _all_gather(x, layout, axis % x.shape.rank)
         return whole, lambda dy: _own_slice(dy, layout, axis)
 
     return gather(x)
