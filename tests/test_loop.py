@@ -213,6 +213,17 @@ def test_bad_options_are_refused(fit_reference):
         make_trainer(mirrored(2), fit_reference[0], accumulate=0)
 
 
+def test_an_optimizer_made_under_another_strategy_is_refused_by_name():
+    """Made outside the strategy's scope, Keras's optimizer fails deep inside `build`
+    ("Mixing different tf.distribute.Strategy objects"); the Trainer says what to do."""
+    strategy = mirrored(2)
+    with strategy.scope():
+        model = fit_model.build_model()
+    with pytest.raises(tfpar.TfparError, match=r"made under another strategy \(_DefaultDistributionStrategy\) "
+                       r"than the Trainer's \(MirroredStrategy\): make it inside `with strategy.scope\(\):`"):
+        Trainer(model, keras.optimizers.Adam(0.01), crossentropy(), strategy=strategy)
+
+
 def test_the_aggregator_contract_defaults_and_no_reduce():
     """An aggregator checkpoints nothing unless it says so; NoReduce (each parameter-server
     worker applies its own gradients) hands the gradients back untouched."""

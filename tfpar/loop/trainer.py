@@ -72,6 +72,17 @@ class _RunningMean:
         return self.value
 
 
+def _check_optimizer_strategy(optimizer, strategy: tf.distribute.Strategy) -> None:
+    """Refuses an optimizer made under another strategy than the Trainer's (Keras's own
+    error comes from deep inside `build`: "Mixing different tf.distribute.Strategy")."""
+    made_under = private_api.strategy_of_optimizer(optimizer)
+    if made_under is not None and made_under is not strategy:
+        raise TrainerError(
+            f"The optimizer was made under another strategy ({type(made_under).__name__}) than the "
+            f"Trainer's ({type(strategy).__name__}): make it inside `with strategy.scope():`, "
+            "where the model was built.")
+
+
 class Trainer:
     """Trains a built Keras model under a tf.distribute strategy with tfpar's own loop.
 
@@ -159,6 +170,7 @@ class Trainer:
             # that computes Adam's or momentum's step itself) an SGD with its learning rate
             self.optimizer = optimizer = self.aggregator.optimizer_for(optimizer)
             private_api.check_optimizer(optimizer, sharded_updates=is_async)
+            _check_optimizer_strategy(optimizer, self.strategy)
             if self._sharded is None:
                 optimizer.build(model.trainable_variables)  # before any traced step
             else:  # each replica's 1/R of the optimizer, in place of the whole one

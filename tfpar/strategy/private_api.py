@@ -133,6 +133,13 @@ def is_sharded(variable) -> bool:
     return isinstance(variable, sharded_variable.ShardedVariable)
 
 
+def strategy_of_optimizer(optimizer: keras.optimizers.Optimizer):
+    """The tf.distribute strategy a Keras TensorFlow optimizer was made under
+    (`_distribution_strategy`: it creates its slots there, and fails deep inside `build`
+    under another strategy's scope), or None for a Keras without the attribute."""
+    return getattr(base_optimizer(optimizer), "_distribution_strategy", None)
+
+
 def check_optimizer(optimizer: keras.optimizers.Optimizer, sharded_updates: bool = False) -> None:
     """Raises KerasFixError if this Keras's optimizer lacks what `trainer_step` replaces."""
     names = (ALL_REDUCE, UPDATE_STEP) if sharded_updates else (ALL_REDUCE,)
