@@ -13,7 +13,7 @@ keras_hub = pytest.importorskip("keras_hub")
 import tfpar  # noqa: E402
 from tfpar import tensor_parallel as tp  # noqa: E402
 from tfpar.compression import accounting  # noqa: E402
-from tfpar.models.layout_maps import layout_map_for  # noqa: E402
+from tfpar.models.layout_maps import layout_map_for, llama_megatron  # noqa: E402
 
 CONFIGS = {
     "llama": ("LlamaBackbone", "LlamaCausalLM", dict(vocabulary_size=64, num_layers=2, num_query_heads=4,
@@ -25,6 +25,8 @@ CONFIGS = {
     "gpt2": ("GPT2Backbone", "GPT2CausalLM", dict(vocabulary_size=64, num_layers=2, num_heads=4, hidden_dim=32,
                                                   intermediate_dim=64, max_sequence_length=16, dropout=0.0)),
 }
+CONFIGS["llama_megatron"] = CONFIGS["llama"]  # the same model, split by tfpar's Megatron map for Llama
+MAPS = {"llama_megatron": llama_megatron}
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
@@ -54,7 +56,8 @@ def batches(count=4, rows=8):
 def model_parallel(name, devices, model_axis):
     mesh = keras.distribution.DeviceMesh((devices // model_axis, model_axis), ["batch", "model"],
                                          keras.distribution.list_devices()[:devices])
-    return keras.distribution.ModelParallel(layout_map=layout_map_for(CONFIGS[name][0], mesh), batch_dim_name="batch")
+    layout_map = MAPS[name](mesh) if name in MAPS else layout_map_for(CONFIGS[name][0], mesh)
+    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
 
 
 def split(name, devices, model_axis):
@@ -71,7 +74,7 @@ def assert_close(actual, expected, tol=1e-5):
 
 
 @pytest.mark.parametrize("name,devices,model_axis", [
-    ("llama", 2, 2), pytest.param("llama", 4, 2, marks=pytest.mark.slow),
+    ("llama", 2, 2), pytest.param("llama", 4, 2, marks=pytest.mark.slow), ("llama_megatron", 2, 2),
     pytest.param("gemma", 4, 2, marks=pytest.mark.slow), pytest.param("gpt2", 2, 2, marks=pytest.mark.slow)])
 def test_logits_loss_and_every_gradient_equal_the_unsplit_model(name, devices, model_axis):
     x, y, w = next(iter(batches(1)))
@@ -105,6 +108,20 @@ def test_logits_loss_and_every_gradient_equal_the_unsplit_model(name, devices, m
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=variable.path)
 
 
+def test_two_split_models_of_one_class_each_read_their_own_head_counts():
+    """Each attention layer keeps its own split (their class is shared): a second split
+    Gemma (its map splits the heads; it reshapes by their count), on a 2 x 2 mesh after a
+    1 x 2 one, reads its own head counts in its replicas."""
+    x, _, _ = next(iter(batches(1)))
+    logits = causal_lm("gemma")(x)
+    for devices in (2, 4):
+        model = split("gemma", devices, 2)
+        strategy = model.distribute_strategy
+        outs = tf.function(lambda: strategy.run(lambda: model(x)))()  # noqa: B023  (called at once)
+        for out in strategy.experimental_local_results(outs):
+            np.testing.assert_allclose(out, logits, rtol=1e-5, atol=1e-5)
+
+
 def one_device_weights(name):
     """4 steps of AdamW with a clip on one device (Keras fit, tfpar's Keras fixes applied:
     the fixture's enable() applies them, so the one-device reference sums sparse rows)."""
@@ -130,12 +147,15 @@ def test_four_adamw_steps_with_a_clip_equal_the_unsplit_model(name, devices, mod
     assert_close(model.get_weights(), expected)
 
 
-def test_each_device_holds_one_tth_of_every_split_kernel_and_the_collectives_per_block():
+@pytest.mark.parametrize("name,forward_backward", [("llama", (5, 1)), ("llama_megatron", (2, 2))])
+def test_each_device_holds_one_tth_of_every_split_kernel_and_the_collectives_per_block(name, forward_backward):
     """Llama's own map splits Q, K, V and the output projection along their input features
     (row-parallel: the input scattered, the products summed) and the MLP as Megatron does:
     per block 5 all-reduces forward (Q, K, V, the output, the MLP's second layer) and 1
-    backward (the MLP's f); 1/T of every split kernel on each device."""
-    model = split("llama", 2, 2)
+    backward (the MLP's f). tfpar's Megatron map splits attention by heads: 2 forward (the
+    g's of attention and MLP) and 2 backward (their f's, one per input however many layers
+    read it). 1/T of every split kernel on each device."""
+    model = split(name, 2, 2)
     unsplit = {w.path: int(np.prod(tp.whole_shape(w))) * 4 for w in model.weights if tp.spec_of(w) is not None}
     for weight in model.weights:
         if tp.spec_of(weight) is not None:
@@ -147,4 +167,4 @@ def test_each_device_holds_one_tth_of_every_split_kernel_and_the_collectives_per
             and "transformer_layer_0/" in c.name]
     forward = [n for n in mine if "_g_forward/" in n]
     backward = [n for n in mine if "_f_backward/" in n]
-    assert (len(forward), len(backward), len(mine)) == (5, 1, 6), mine
+    assert (len(forward), len(backward), len(mine)) == (*forward_backward, sum(forward_backward)), mine

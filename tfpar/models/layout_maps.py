@@ -11,6 +11,7 @@ after a sum stay whole.
 | model | map |
 | --- | --- |
 | keras-hub `GPT2Backbone` | `gpt2(mesh)` below |
+| keras-hub `LlamaBackbone`, by Megatron's split (2 all-reduces forward per block, not 5) | `llama_megatron(mesh)` below |
 | keras-hub `LlamaBackbone`, `GemmaBackbone`, `QwenBackbone`, ... | their own `get_layout_map(mesh)` |
 
 Example:
@@ -46,6 +47,30 @@ def gpt2(mesh, model_axis: str = "model", batch_axis: str = "batch") -> keras.di
     return layout_map
 
 
+def llama_megatron(mesh, model_axis: str = "model", batch_axis: str = "batch") -> keras.distribution.LayoutMap:
+    """Megatron's split of keras-hub's LlamaBackbone (Mistral's and Qwen's weights have the
+    same names), instead of its own `get_layout_map`: that one splits the query, key and
+    value kernels along their input features (row-parallel: an all-reduce after each) and
+    the output projection along its heads with a whole input (scattered, then summed): 5
+    all-reduces forward per block. By heads (column-parallel, then row-parallel) it is 2,
+    Megatron's count. The key and value heads (GQA) must be a multiple of the model axis.
+
+    Its weights (per block): `self_attention/{query,key,value}/kernel` [hidden, heads,
+    head_dim], `self_attention/attention_output/kernel` [heads, head_dim, hidden],
+    `feedforward_{intermediate,gate}_dense/kernel` [hidden, inner],
+    `feedforward_output_dense/kernel` [inner, hidden]; `token_embedding/embeddings`
+    [vocabulary, hidden] and, untied, `token_embedding/reverse_embeddings` [hidden, vocabulary]."""
+    del batch_axis
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["token_embedding/embeddings"] = (model_axis, None)
+    layout_map["token_embedding/reverse_embeddings"] = (None, model_axis)
+    layout_map[r"transformer_layer.*self_attention/(query|key|value)/kernel"] = (None, model_axis, None)
+    layout_map[r"transformer_layer.*self_attention/attention_output/kernel"] = (model_axis, None, None)
+    layout_map[r"transformer_layer.*feedforward_(intermediate|gate)_dense/kernel"] = (None, model_axis)
+    layout_map[r"transformer_layer.*feedforward_output_dense/kernel"] = (model_axis, None)
+    return layout_map
+
+
 MAPS = {"GPT2Backbone": gpt2}
 
 
@@ -70,4 +95,4 @@ def layout_map_for(backbone, mesh, model_axis: str = "model", batch_axis: str = 
     raise TensorParallelError(
         f"tfpar has no layout map for {name}: keras-hub backbones with get_layout_map (Llama, Gemma, "
         f"Qwen, ...) and {', '.join(MAPS)} split; for another model write a keras.distribution.LayoutMap "
-        "(docs/tensor_parallel.md, 'A model of your own').")
+        "(docs/keras_distribution.md).")
