@@ -14,6 +14,7 @@ reference holds up itself.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import re
@@ -105,6 +106,7 @@ class Run:
     steps: int = STEPS
     shard: str = "none"  # loop: Trainer(shard=...) (ZeRO-1 'optimizer', ZeRO-2 'gradients')
     tensor: int = 0      # 0: the classic MLP; T >= 1: the Megatron MLP of tfpar's exported layers, T ways
+    distribution: str = ""  # "data" | "model": the classic MLP built under a keras.distribution (see DISTRIBUTIONS)
 
     def __post_init__(self):
         if not self.family:
@@ -121,6 +123,8 @@ class Run:
             parts.append(f"shard={self.shard}")
         if self.tensor:
             parts.append(f"tensor={self.tensor}")
+        if self.distribution:
+            parts.append(f"distribution={self.distribution}")
         return "/".join(parts)
 
     @classmethod
@@ -132,6 +136,8 @@ class Run:
                 run["shard"] = extra[len("shard="):]
             elif extra.startswith("tensor="):
                 run["tensor"] = int(extra[len("tensor="):])
+            elif extra.startswith("distribution="):
+                run["distribution"] = extra[len("distribution="):]
             elif extra.startswith("b") and "x" in extra:
                 batch, steps = extra[1:].split("x")
                 run.update(batch=int(batch), steps=int(steps))
@@ -254,10 +260,64 @@ def tensor_cases() -> list[Run]:
     return list(dict.fromkeys(FAST_TENSOR_CASES + cases))
 
 
+# keras.distribution cases (tfpar.distribution.enable(): Keras's own API, run through tfpar):
+# the classic MLP built while a `DataParallel` over 2 devices, or a `ModelParallel` on a
+# 1 x 2 mesh whose layout map splits hidden_1's columns and hidden_2's rows, is in effect
+# (the norm between them takes whole features: tfpar gathers and splits again, see
+# `distribution_for`); trained by `model.fit` and by `tfpar.Trainer` with a plain dataset,
+# as a Keras user writes them. Strategy "mirrored": what tfpar runs both on, 2 replicas in
+# this process. Each mode, precision and option that trains a split model, and what a split
+# model refuses (compression, sharding).
+FAST_DISTRIBUTION_CASES = [Run("mirrored", "fit", "float32", "none", "global_clip", distribution="model")]
+
+
+def distribution_cases() -> list[Run]:
+    """Both distributions x both modes (global clip), mixed precision, options, compressors."""
+    cases = [Run("mirrored", m, "float32", "none", "global_clip", distribution=d)
+             for d in ("data", "model") for m in MODES]
+    cases += [Run("mirrored", "fit", "mixed_float16", "none", "none", distribution="data"),
+              Run("mirrored", "fit", "float32", "topk", "none", distribution="data"),
+              Run("mirrored", "loop", "float32", "topk", "none", distribution="data"),
+              Run("mirrored", "fit", "mixed_bfloat16", "none", "none", distribution="model"),
+              Run("mirrored", "loop", "mixed_float16", "none", "global_clip", distribution="model"),
+              Run("mirrored", "fit", "float32", "none", "accumulation", distribution="model"),
+              Run("mirrored", "fit", "float32", "none", "ema", distribution="model"),
+              Run("mirrored", "loop", "float32", "none", "clipvalue", distribution="model"),
+              Run("mirrored", "fit", "float32", "none", "decay_excluded", distribution="model"),
+              Run("mirrored", "fit", "float32", "topk", "none", distribution="model"),
+              Run("mirrored", "loop", "float32", "dgc", "none", distribution="model"),
+              Run("mirrored", "loop", "float32", "none", "global_clip", shard="optimizer", distribution="model")]
+    return list(dict.fromkeys(FAST_DISTRIBUTION_CASES + cases))
+
+
+_DISTRIBUTIONS: dict = {}  # kind -> the keras.distribution object (one per process: its strategy is made once)
+
+
+def distribution_for(kind: str):
+    """The keras.distribution a "data" or "model" run is built under, as the keras.io guide
+    writes them, over the first 2 devices."""
+    import keras
+
+    if kind not in _DISTRIBUTIONS:
+        devices = keras.distribution.list_devices()[:2]
+        if kind == "data":
+            mesh = keras.distribution.DeviceMesh((2,), ["batch"], devices)
+            _DISTRIBUTIONS[kind] = keras.distribution.DataParallel(device_mesh=mesh)
+        else:
+            mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices)
+            layout_map = keras.distribution.LayoutMap(mesh)
+            layout_map["hidden_1/kernel"] = (None, "model")   # column-parallel
+            layout_map["hidden_1/bias"] = ("model",)
+            layout_map["hidden_2/kernel"] = ("model", None)   # row-parallel
+            _DISTRIBUTIONS[kind] = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    return _DISTRIBUTIONS[kind]
+
+
 def all_cases() -> tuple[list[Run], set[Run]]:
     """(every case of both tiers in order, the fast tier's cases)."""
-    fast = fast_cases() + FAST_SHARD_CASES + FAST_TENSOR_CASES
-    return list(dict.fromkeys(fast + full_cases() + shard_cases() + tensor_cases())), set(fast)
+    fast = fast_cases() + FAST_SHARD_CASES + FAST_TENSOR_CASES + FAST_DISTRIBUTION_CASES
+    everything = fast + full_cases() + shard_cases() + tensor_cases() + distribution_cases()
+    return list(dict.fromkeys(everything)), set(fast)
 
 
 # -- references ------------------------------------------------------------------------
@@ -410,7 +470,8 @@ def compression_for(name: str):
 
 def mlp(tensor: int = 0):
     """tests/test_compression.py's MLP: dense layers only, so every gradient is dense. With
-    `tensor` = T >= 1, its two hidden layers are a Megatron pair of tfpar's exported layers
+    `tensor` = 0 (the classic MLP), its Dense layers are named for the layout map of
+    `distribution_for`. With `tensor` = T >= 1, its two hidden layers are a Megatron pair of tfpar's exported layers
     (column-parallel, then row-parallel), T ways (the norm after them: it needs whole
     features); the same 6,660 weights."""
     import keras
@@ -423,10 +484,10 @@ def mlp(tensor: int = 0):
         x = tp.RowParallelLinear(64, degree=tensor, activation="relu", name="down")(x)
         x = keras.layers.LayerNormalization()(x)
         return keras.Model(inputs, keras.layers.Dense(4)(x))
-    x = keras.layers.Dense(64, activation="relu")(inputs)
+    x = keras.layers.Dense(64, activation="relu", name="hidden_1")(inputs)
     x = keras.layers.LayerNormalization()(x)
-    x = keras.layers.Dense(64, activation="relu")(x)
-    return keras.Model(inputs, keras.layers.Dense(4)(x))
+    x = keras.layers.Dense(64, activation="relu", name="hidden_2")(x)
+    return keras.Model(inputs, keras.layers.Dense(4, name="logits")(x))
 
 
 def initial_weights(tensor: bool = False) -> list[np.ndarray]:
@@ -509,6 +570,11 @@ def execute(run: Run, strategy, weights: list[np.ndarray]) -> Result:
         result.message = f"{e}\n{traceback.format_exc(limit=-4)}"
     finally:
         keras.mixed_precision.set_global_policy("float32")
+        if run.distribution:
+            import tfpar
+
+            keras.distribution.set_distribution(None)
+            tfpar.distribution.disable()
         result.seconds = time.perf_counter() - start
     return result
 
@@ -531,7 +597,13 @@ def _start(run: Run, strategy, weights) -> Callable[[], tuple[list, np.ndarray]]
     from tfpar.data.pipeline import same_batch_for_groups
     from tfpar.loop import Trainer
 
-    with strategy.scope():
+    if run.distribution:  # as a Keras user writes it: no strategy, the distribution in effect
+        import tfpar
+
+        tfpar.distribution.enable()
+        keras.distribution.set_distribution(distribution_for(run.distribution))
+        strategy = tfpar.distribution.current_plan().strategy
+    with contextlib.nullcontext() if run.distribution else strategy.scope():
         model = mlp(run.tensor)
         model.set_weights(weights)  # a split model takes the whole weights (and splits them)
         optimizer, compression = build_training(run)
@@ -543,7 +615,8 @@ def _start(run: Run, strategy, weights) -> Callable[[], tuple[list, np.ndarray]]
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
     trainer = None
     if run.mode == "loop":
-        trainer = Trainer(model, optimizer, loss(), strategy=strategy, compression=compression, shard=run.shard)
+        trainer = Trainer(model, optimizer, loss(), strategy=None if run.distribution else strategy,
+                          compression=compression, shard=run.shard)
 
     def train(steps: list):
         """Trains; `steps` collects the weights after each step (it stays empty when the
@@ -553,6 +626,8 @@ def _start(run: Run, strategy, weights) -> Callable[[], tuple[list, np.ndarray]]
         data = dataset(run.batch, run.steps)
         if trainer is None:
             model.fit(data, epochs=1, verbose=0, shuffle=False, callbacks=[record])
+        elif run.distribution:  # a plain dataset: the Trainer distributes it as the model's strategy needs
+            trainer.fit(data, steps=run.steps, callbacks=[record])
         elif run.tensor > 1:  # T = all replicas: every replica the whole batch
             trainer.fit(strategy.distribute_datasets_from_function(lambda context: same_batch_for_groups(
                 data, context.num_replicas_in_sync // context.num_input_pipelines)), steps=run.steps,
@@ -615,7 +690,9 @@ def names_of(run: Run) -> dict[str, tuple[str, ...]]:
         "mode": {"fit": ("fit",), "loop": ("trainer", "loop")}[run.mode],
         "optimizer": {"sgd": ("sgd",), "adam": ("adam",), "adamw": ("adamw", "adam")}[run.family],
         "shard": () if run.shard == "none" else ("shard",),
-        "tensor": ("tensor", "split") if run.tensor > 1 else (),
+        "tensor": ("tensor", "split") if run.tensor > 1 or run.distribution == "model" else (),
+        "distribution": {"": (), "data": ("dataparallel", "distribution"),
+                         "model": ("modelparallel", "distribution", "layout")}[run.distribution],
     }
 
 

@@ -22,9 +22,15 @@ with the norm excluded from weight decay by its layer's name, each mode on both 
 strategies), plus tensor parallelism (`matrix_cases.tensor_cases`: T = 2, the Megatron MLP of
 tfpar's exported layers, on mirrored and on 2 worker processes x every precision, every
 option and the name exclusion on mirrored; Keras fit, compression, sharding and one device
-refused): 149 cases. The fast tier is all-pairs over {default, mirrored} x every mode and
+refused), plus Keras's own distribution API (`matrix_cases.distribution_cases`: the MLP built
+under a keras.distribution `DataParallel` over 2 devices or a `ModelParallel` on a 1 x 2
+mesh whose layout map splits its two hidden layers, with `tfpar.distribution.enable()`;
+trained by `model.fit` and by `tfpar.Trainer` with a plain dataset: both modes, mixed
+precision, accumulation, EMA, clipvalue, the weight-decay exclusion, topk and dgc, and
+sharding refused): 165 cases. The fast tier is all-pairs over {default, mirrored} x every mode and
 precision x {none, topk, dgc, onebit_adam} x {none, global clip, accumulation, EMA}, plus two
-sharded cases and one tensor-parallel case, all in this process: 19 cases; the other 130 are
+sharded cases, one tensor-parallel case and one ModelParallel fit, all in this process: 20
+cases; the other 145 are
 `slow` (every two-process case among them, as tests/conftest.py makes every multi-process
 test slow).
 
@@ -352,7 +358,8 @@ def table(rows: dict[M.Run, M.Verdict]) -> str:
         lines.append("| " + " | ".join(_cell(x) for x in (
             case.strategy, case.mode, case.precision, case.compressor,
             ", ".join([case.option, *([f"shard={case.shard}"] if case.shard != "none" else []),
-                       *([f"tensor={case.tensor}"] if case.tensor else [])]), outcome, where,
+                       *([f"tensor={case.tensor}"] if case.tensor else []),
+                       *([f"keras.distribution: {case.distribution}"] if case.distribution else [])]), outcome, where,
             v.detail)) + " |")
     return "\n".join(lines)
 
@@ -420,4 +427,4 @@ def write_outputs(runs: Matrix) -> None:
 def dataclasses_dict(case: M.Run) -> dict:
     return {"key": case.key, "strategy": case.strategy, "mode": case.mode, "precision": case.precision,
             "compressor": case.compressor, "option": case.option, "optimizer": case.family, "shard": case.shard,
-            "tensor": case.tensor}
+            "tensor": case.tensor, "distribution": case.distribution}
