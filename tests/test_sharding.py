@@ -18,8 +18,8 @@ from tfpar.compression import accounting
 from tfpar.errors import NonFiniteError, ShardingError
 from tfpar import zero
 from tfpar.loop import Trainer
+from tfpar.strategy import groups
 from tfpar.zero import optimizer as zero_optimizer
-from tfpar.models import GPT
 
 TOL = 1e-5
 STEPS = 4
@@ -253,18 +253,18 @@ def test_the_gpu_reduce_scatter_is_traced_and_counted():
     on CPU TensorFlow has none, and the all-to-all + sum above replaces it. Traced here (not
     run): each replica hands its [R, C] rows and gets [C]; a link carries (R-1)/R of them."""
     strategy = mirrored(2)
-    ranks = zero.replica_ranks(strategy)
+    world = groups.world(strategy)  # the partition group of every replica (tfpar.zero.PartitionGroups)
+    assert not world.nccl  # logical CPUs
 
     @tf.function
     def scatter():
-        def replica():
-            comm = zero.PartitionCollectives(tf.distribute.get_replica_context(), ranks)
-            assert not comm.nccl  # logical CPUs
-            comm.nccl = True  # as a GPU launcher says
-            return comm.reduce_scatter(tf.ones([2, 6]))
-        return strategy.run(replica)
+        return strategy.run(lambda: world.reduce_scatter(tf.ones([2, 6])))
 
-    traced = scatter.get_concrete_function()
+    world.nccl = True  # as a GPU launcher says
+    try:
+        traced = scatter.get_concrete_function()
+    finally:
+        world.nccl = False
     found = accounting.collectives(traced)
     assert [c.type for c in found] == ["CollectiveReduceScatterV2"] * 2
     assert {c.bytes for c in found} == {2 * 6 * 4}
@@ -332,15 +332,6 @@ def test_refused_by_name(weights, case):
     options = {"shard": "gradients", **options}
     with pytest.raises(ShardingError, match=message):
         trainer_for(tf.distribute.get_strategy(), weights, **options)
-
-
-def test_a_tensor_parallel_model_is_refused():
-    """A tensor-parallel model's replicas hold different splits: not sharded again."""
-    strategy = mirrored(2)
-    with strategy.scope():
-        model = GPT(vocab_size=32, max_len=8, dim=32, depth=1, heads=4, tensor_parallel=2)
-    with pytest.raises(ShardingError, match="shard='optimizer' with a tensor-parallel model"):
-        Trainer(model, keras.optimizers.AdamW(0.01), loss(), strategy=strategy, shard="optimizer")
 
 
 def test_the_binary_check_and_what_cannot_be_flattened():

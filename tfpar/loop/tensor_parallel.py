@@ -30,6 +30,14 @@ whole variable's norm), LAMB, Adafactor, Muon and any optimizer not listed. `use
 Keras's `gradient_accumulation_steps` update each replica's copy from its own copies
 (tfpar.strategy.optimizer_update), so a shard's average and accumulator are its own.
 
+With ZeRO (`Trainer(shard="optimizer" | "gradients")`) the sums, the clip and the update
+are ZeRO's, over each DP group (tfpar.zero.update: the same math, on 1/R of each shard):
+this aggregator then only checks the optimizer and leaves it unbuilt
+(`leave_to_partitions`).
+
+The groups and their collectives are tfpar.strategy.groups' (the layout's TP, DP and
+every-replica groups).
+
 Example:
     >>> aggregator = TensorParallelSum(layout_of(model))   # tfpar.Trainer picks it itself
 """
@@ -79,7 +87,14 @@ class TensorParallelSum(GradientAggregator):
     def __init__(self, layout: Layout):
         self.layout = layout
         self.clip_norm: float | None = None
+        self.partitioned = False
         self._variables: list = []
+
+    def leave_to_partitions(self) -> None:
+        """ZeRO sums, clips and updates this model's gradients over each data-parallel group
+        (tfpar.zero.update): this aggregator only checks the optimizer then, and leaves it
+        unbuilt (ZeRO builds it on its partitions)."""
+        self.partitioned = True
 
     def check_optimizer(self, optimizer) -> None:
         check_tensor_parallel_optimizer(optimizer)
@@ -90,11 +105,17 @@ class TensorParallelSum(GradientAggregator):
 
     def optimizer_for(self, optimizer):
         """Builds the optimizer now (its slots of a split weight are shards too, matched by
-        the weight each was made from) and gives those slots whole-value checkpoints."""
+        the weight each was made from) and gives those slots whole-value checkpoints.
+        Partitioned (ZeRO): unbuilt, as given."""
+        if self.partitioned:
+            return optimizer
         shard_slots(optimizer, self._variables, self.layout)
         return optimizer
 
     def __call__(self, gradients, variables):
+        if self.partitioned:
+            raise TensorParallelError("TensorParallelSum was left to ZeRO's partitions "
+                                      "(leave_to_partitions): its update sums the gradients itself.")
         replica = self.layout.here()
         degree = float(self.layout.degree)
         grads = [tf.zeros(v.shape, v.dtype) if g is None else tf.ensure_shape(tf.convert_to_tensor(g), v.shape)
@@ -103,17 +124,16 @@ class TensorParallelSum(GradientAggregator):
         split = [i for i, s in enumerate(flags) if s]
         whole = [i for i, s in enumerate(flags) if not s]
         summed = list(grads)
-        launcher = self.layout.dp_launcher(replica)
         if split:
             parts = [grads[i] * tf.cast(degree, grads[i].dtype) for i in split]
-            if launcher is not None:  # data x tensor parallel: one batched all-reduce
+            if self.layout.groups > 1:  # data x tensor parallel: one batched all-reduce
                 with tf.name_scope("tensor_parallel/data_parallel_sum"):
-                    parts = launcher.batch_all_reduce([parts])
+                    parts = self.layout.dp_group(replica).batch_all_reduce(parts)
             for i, part in zip(split, parts):
                 summed[i] = part
         if whole:
             with tf.name_scope("tensor_parallel/replicated_sum"):  # every replica: the same bits
-                parts = self.layout.world_launcher(replica).batch_all_reduce([[grads[i] for i in whole]])
+                parts = self.layout.world.batch_all_reduce([grads[i] for i in whole])
             for i, part in zip(whole, parts):
                 summed[i] = part
         return self._clipped(summed, flags, replica)
@@ -125,7 +145,7 @@ class TensorParallelSum(GradientAggregator):
         whole = tf.add_n([tf.reduce_sum(tf.square(g)) for g, s in zip(grads, flags) if not s]
                          or [tf.constant(0.0)])
         with tf.name_scope(accounting.CHECK_SCOPE):  # a scalar, not a gradient: named apart
-            split = self.layout.tp_launcher(replica).all_reduce(split)
+            split = self.layout.tp_group(replica).all_reduce(split)
         norm = tf.sqrt(whole + split)
         if self.clip_norm:
             scale = self.clip_norm * tf.minimum(1.0 / norm, 1.0 / self.clip_norm) + (norm - norm)

@@ -33,7 +33,6 @@ from tfpar.aggregation import GradientAggregator
 from tfpar.compression import accounting
 from tfpar.compression.compressed_aggregator import Compression
 from tfpar.compression.compressors import Compressor
-from tfpar.errors import ShardingError
 from tfpar.loop import parameter_server
 from tfpar.loop.forward_backward import ForwardBackward
 from tfpar.loop.nonfinite import POLICIES as NONFINITE_POLICIES
@@ -147,10 +146,10 @@ class Trainer:
         self._tensor_layout = tensor_parallel_layout(model)  # None: the model is not split
         self._sharded = zero.zero_update(shard)
         if self._sharded is not None and self._tensor_layout is not None:
-            raise ShardingError(f"shard={self._sharded.mode!r} with a tensor-parallel model: its split "
-                                "weights differ between the replicas of a tensor-parallel group, and "
-                                "partitioning them again is not built. Use shard='none' with tensor "
-                                "parallelism.")
+            # ZeRO over each data-parallel group of the split model (tfpar.zero.update): its
+            # update sums the gradients; the tensor-parallel aggregator only checks the optimizer
+            self._sharded.split_over(self._tensor_layout)
+            self.aggregator.leave_to_partitions()
         if self._sharded is not None:  # refused by name before anything is built
             self._sharded.configure(self.strategy, optimizer, self.aggregator, placement, nonfinite)
         self.aggregator.check_optimizer(optimizer)

@@ -33,21 +33,30 @@ Touches:
   (`tfpar.compression.replica_state`, `Compression`).
 - `CollectiveReplicaLauncher._all_gather`, `_next_instance_key`, `_get_ordering_token`,
   `_device`, `_options` and `gen_collective_ops.collective_reduce_scatter_v2` (TensorFlow):
-  the sharded update (tfpar.zero.update) gathers equal-sized shards without the shape
-  exchange `all_gather` adds, and reduce-scatters with NCCL on GPUs, keyed and ordered like
-  the strategy's own collectives (`launcher_all_gather_same_shape`,
-  `launcher_reduce_scatter`).
+  tf.distribute offers all_reduce and all_gather only (merge_calls, refused inside a
+  `tf.cond` branch). tfpar.strategy.groups, the one owner of group collectives (ZeRO's
+  partitions, tensor parallelism's groups, compression's all-to-all), gathers equal-sized
+  tensors without the shape exchange `all_gather` adds, issues an all-to-all, and
+  reduce-scatters with NCCL on GPUs, keyed and ordered like the launcher's own collectives
+  (`launcher_all_gather_same_shape`, `launcher_all_to_all`, `launcher_reduce_scatter`;
+  `launcher_all_reduce`, `launcher_batch_all_reduce`, `launcher_all_gather` call its
+  public methods, callable inside a branch).
+- `extended._collective_ops._launchers` / `extended._cross_device_ops._launchers`
+  (TensorFlow): a strategy's own CollectiveReplicaLauncher per local replica, so a group
+  collective over every replica joins the strategy's own group in the same order
+  (`strategy_launchers`, `collective_launcher`).
 - `DistributedVariable._get_on_device_or_primary` (TensorFlow): the copy of a mirrored
   variable on this replica's device. The sharded update writes the all-gathered weights,
   identical on every replica, into each replica's own copy from the replica context (inside
   a `tf.cond` where a merge_call cannot go): `local_component`.
 - `cross_device_utils.CollectiveKeys` and `CollectiveReplicaLauncher` (TensorFlow): a
   strategy has one collective group (all its replicas); tensor parallelism needs groups of
-  some of them (a tensor-parallel group, a data-parallel group). TensorFlow's own launcher
-  over a device subset, with its own group keys, issues the same CollectiveReduceV2 and
-  CollectiveGatherV2 (instance keys assigned at call time, an ordering token per device):
-  `group_launchers` (tfpar.tensor_parallel). The strategy's communication options
-  (`extended._communication_options`: the collective timeout) go with them.
+  some of them (a tensor-parallel group, a data-parallel group; ZeRO partitions over the
+  latter). TensorFlow's own launcher over a device subset, with its own group keys, issues
+  the same CollectiveReduceV2 and CollectiveGatherV2 (instance keys assigned at call time,
+  an ordering token per device): `group_launchers` (tfpar.strategy.groups.subsets). The
+  strategy's communication options (`extended._communication_options`: the collective
+  timeout) go with them.
 - A MirroredVariable's `_serialize_to_tensors` / `_restore_from_tensors`, set on the
   instance (TensorFlow's checkpoint hooks; `trackable_has_serialize_to_tensor` reads the
   instance first): a tensor-parallel shard, whose copies differ on purpose, is checkpointed
@@ -289,14 +298,21 @@ def add_control_input(op, dependency) -> None:
     op._add_control_input(dependency)  # pylint: disable=protected-access
 
 
+def strategy_launchers(strategy) -> list:
+    """The strategy's own `CollectiveReplicaLauncher`s, one per local replica in the order
+    of its devices (`extended._collective_ops._launchers`, or `_cross_device_ops` for a
+    MirroredStrategy with collective all-reduce); [] where it has none."""
+    extended = strategy.extended
+    ops = getattr(extended, "_collective_ops", None) or getattr(extended, "_cross_device_ops", None)
+    return list(getattr(ops, "_launchers", None) or [])
+
+
 def collective_launcher(context):
     """This replica's `CollectiveReplicaLauncher` (`extended._collective_ops._launchers`):
     the group key, instance keys and ordering token of the strategy's own collectives, so an
     all-to-all issued by tfpar joins the same group in the same order (there is no public
     all-to-all in tf.distribute)."""
-    extended = context.strategy.extended
-    ops = getattr(extended, "_collective_ops", None) or getattr(extended, "_cross_device_ops", None)
-    launchers = getattr(ops, "_launchers", None)
+    launchers = strategy_launchers(context.strategy)
     if not launchers:
         return None
     return launchers[context._replica_id]  # pylint: disable=protected-access  (local index)
@@ -316,11 +332,11 @@ def launcher_all_to_all(launcher, tensor):
             ordering_token=launcher._get_ordering_token())
 
 
-def launcher_all_gather(launcher, tensor):
-    """`launcher.all_gather` along axis 0: the ops the strategy's own all_gather issues (a
+def launcher_all_gather(launcher, tensor, axis: int = 0):
+    """`launcher.all_gather` along `axis`: the ops the strategy's own all_gather issues (a
     shape exchange, then CollectiveGatherV2), without its merge_call, which MirroredStrategy
     refuses inside a tf.cond branch."""
-    return launcher.all_gather(tensor, 0)
+    return launcher.all_gather(tensor, axis)
 
 
 def launcher_all_gather_same_shape(launcher, tensor):
@@ -333,6 +349,12 @@ def launcher_all_gather_same_shape(launcher, tensor):
 def launcher_all_reduce(launcher, tensor):
     """The launcher's SUM all-reduce (CollectiveReduceV2): callable inside a tf.cond branch."""
     return launcher.all_reduce(tensor)
+
+
+def launcher_batch_all_reduce(launcher, tensors: list) -> list:
+    """The launcher's packed SUM all-reduce of `tensors` (one CollectiveReduceV2 of their
+    concatenation, in a tf.function): each tensor's sum, in order."""
+    return launcher.batch_all_reduce([list(tensors)])
 
 
 def launcher_uses_nccl(launcher) -> bool:
@@ -360,52 +382,9 @@ def launcher_reduce_scatter(launcher, tensor):
             timeout_seconds=launcher._options.timeout_seconds or 0)
 
 
-def local_component(variable):
-    """This replica's own copy of a mirrored variable (replica context), to assign directly;
-    the variable itself where it has one copy."""
-    if isinstance(variable, keras.Variable):
-        variable = variable.value  # its tf.Variable
-    own = getattr(variable, "_get_on_device_or_primary", None)
-    return variable if own is None else own()
+# -- groups of a strategy's replicas (tfpar.strategy.groups) -------------------------
 
-
-def learning_rate_of(optimizer):
-    """The optimizer's learning rate as it was given: a float or its schedule object
-    (`optimizer.learning_rate` is the current value only)."""
-    rate = base_optimizer(optimizer)._learning_rate  # pylint: disable=protected-access
-    return rate if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule) else float(
-        keras.ops.convert_to_numpy(rate))
-
-
-def copy_weight_decay_exclusions(source, target) -> None:
-    """What `source.exclude_from_weight_decay(...)` excluded, excluded on `target` too."""
-    names = ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern")
-    for name in names:
-        if hasattr(base_optimizer(source), name):
-            setattr(target, name, getattr(base_optimizer(source), name))
-
-
-__all__ = ["KerasFixError", "add_control_input", "copy_weight_decay_exclusions", "learning_rate_of",
-           "optimizer_attribute", "replace_all_reduce", "collective_launcher", "launcher_all_to_all",
-           "launcher_all_gather", "launcher_all_gather_same_shape", "launcher_all_reduce",
-           "launcher_reduce_scatter", "launcher_uses_nccl", "local_component", "base_optimizer", "check_optimizer", "collective_key_base",
-           "function_library", "inbound_nodes", "is_loss_scaled", "is_sharded",
-           "optimizer_class", "optimizers_of", "runtime_started", "trainer_module",
-           "trainer_step"]
-
-
-def save_spec(make: Callable[[], "tf.Tensor"], dtype: "tf.DType", device: str):
-    """A checkpoint value that `make()` computes when a checkpoint is written, not when a
-    restore builds its specs (a restore calls `_serialize_to_tensors` too)."""
-    from tensorflow.python.training.saving import saveable_object  # pylint: disable=import-outside-toplevel
-
-    return saveable_object.SaveSpec(make, "", "", dtype=dtype, device=device)
-
-
-
-# -- tensor parallelism: collectives over groups of a strategy's replicas ------------
-
-_GROUP_KEYS = []  # one CollectiveKeys for every tensor-parallel group in this process
+_GROUP_KEYS = []  # one CollectiveKeys for every subset group (tfpar.strategy.groups) in this process
 
 
 def group_launchers(groups, local_devices, strategy=None) -> list[dict]:
@@ -434,6 +413,52 @@ def group_launchers(groups, local_devices, strategy=None) -> list[dict]:
                       for d in members if d in local})
     return found
 
+
+def local_component(variable):
+    """This replica's own copy of a mirrored variable (replica context), to assign directly;
+    the variable itself where it has one copy."""
+    if isinstance(variable, keras.Variable):
+        variable = variable.value  # its tf.Variable
+    own = getattr(variable, "_get_on_device_or_primary", None)
+    return variable if own is None else own()
+
+
+def learning_rate_of(optimizer):
+    """The optimizer's learning rate as it was given: a float or its schedule object
+    (`optimizer.learning_rate` is the current value only)."""
+    rate = base_optimizer(optimizer)._learning_rate  # pylint: disable=protected-access
+    return rate if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule) else float(
+        keras.ops.convert_to_numpy(rate))
+
+
+def copy_weight_decay_exclusions(source, target) -> None:
+    """What `source.exclude_from_weight_decay(...)` excluded, excluded on `target` too."""
+    names = ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern")
+    for name in names:
+        if hasattr(base_optimizer(source), name):
+            setattr(target, name, getattr(base_optimizer(source), name))
+
+
+__all__ = ["KerasFixError", "add_control_input", "copy_weight_decay_exclusions", "learning_rate_of",
+           "optimizer_attribute", "replace_all_reduce", "collective_launcher", "group_launchers",
+           "launcher_all_to_all", "launcher_all_gather", "launcher_all_gather_same_shape",
+           "launcher_all_reduce", "launcher_batch_all_reduce", "strategy_launchers",
+           "launcher_reduce_scatter", "launcher_uses_nccl", "local_component", "base_optimizer", "check_optimizer", "collective_key_base",
+           "function_library", "inbound_nodes", "is_loss_scaled", "is_sharded",
+           "optimizer_class", "optimizers_of", "runtime_started", "trainer_module",
+           "trainer_step"]
+
+
+def save_spec(make: Callable[[], "tf.Tensor"], dtype: "tf.DType", device: str):
+    """A checkpoint value that `make()` computes when a checkpoint is written, not when a
+    restore builds its specs (a restore calls `_serialize_to_tensors` too)."""
+    from tensorflow.python.training.saving import saveable_object  # pylint: disable=import-outside-toplevel
+
+    return saveable_object.SaveSpec(make, "", "", dtype=dtype, device=device)
+
+
+
+# -- tensor parallelism: whole-value checkpoints of split weights ------------------
 
 def set_checkpoint_hooks(variable, serialize, restore) -> None:
     """Makes `serialize()` / `restore(tensors)` what a checkpoint calls for this variable

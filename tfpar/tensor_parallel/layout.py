@@ -9,16 +9,18 @@ more than one replica.
 
     replicas 0 1 2 3, T = 2:   TP groups {0, 1} {2, 3}     DP groups {0, 2} {1, 3}
 
-tf.distribute has one collective group per strategy (all its replicas); each group here
-gets TensorFlow's own collective launcher over its devices, with its own group key
-(tfpar.strategy.private_api.group_launchers): the same CollectiveReduceV2 the strategy
-issues. Across workers the keys agree because every worker numbers the groups alike.
+Each group is a tfpar.strategy.groups.ReplicaGroup: TensorFlow's own collective launcher
+over its devices, with its own group key (the same CollectiveReduceV2 the strategy
+issues), plus one group of every replica (its own key too) for the replicated weights'
+sums. Across workers the keys agree because every worker numbers the groups alike. The
+layout keeps only which replicas form which group; the collectives are the groups'.
 
 Example:
     >>> with strategy.scope():                    # mirrored over 4 devices
     ...     layout = Layout.of(tf.distribute.get_strategy(), 2)
     >>> layout.tp_groups, layout.dp_groups
     ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    >>> layout.tp_group(3).all_reduce(partial)  # in replica 3's context: over replicas {2, 3}
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfpar.errors import TfparError
-from tfpar.strategy import private_api
+from tfpar.strategy import groups
+from tfpar.strategy.groups import ReplicaGroup, local_replica_ids  # noqa: F401  (re-exported)
 
 
 class TensorParallelError(TfparError, ValueError):
@@ -34,20 +37,6 @@ class TensorParallelError(TfparError, ValueError):
 
 
 _LAYOUTS: dict = {}  # (id(strategy), degree) -> (strategy, Layout): one per strategy and T
-
-
-def local_replica_ids(strategy) -> list[int]:
-    """Global replica ids of this worker's replicas, in the order of its devices."""
-    if strategy.num_replicas_in_sync == 1:
-        return [0]
-    ids: list[int] = []
-
-    def note(context):  # called once per local replica, in local order
-        ids.append(int(context.replica_id_in_sync_group))
-        return tf.constant(0)
-
-    strategy.experimental_distribute_values_from_function(note)
-    return ids
 
 
 class Layout:
@@ -64,18 +53,11 @@ class Layout:
         self.groups = self.replicas // degree
         self.tp_groups = [[g * degree + r for r in range(degree)] for g in range(self.groups)]
         self.dp_groups = [[g * degree + r for g in range(self.groups)] for r in range(degree)]
-        ids = local_replica_ids(strategy)
-        devices = list(strategy.extended.worker_devices) if self.replicas > 1 else [_here()]
-        self.device_of = dict(zip(ids, devices))  # this worker's replicas only
-
-        def named(group):  # remote members only fill the key table: any unique name
-            return [self.device_of.get(i, f"/job:remote/replica:0/task:0/device:CPU:{i}") for i in group]
-
-        local = list(self.device_of.values())
-        self._tp = private_api.group_launchers([named(g) for g in self.tp_groups], local, strategy)
-        self._dp = private_api.group_launchers([named(g) for g in self.dp_groups], local, strategy)
-        self._world = (self._tp[0] if self.groups == 1 else  # T = N: the one TP group is every replica
-                       private_api.group_launchers([named(list(range(self.replicas)))], local, strategy)[0])
+        self.device_of = groups.local_devices(strategy)  # this worker's replicas only
+        self.tp = groups.subsets(strategy, self.tp_groups)
+        self.dp = groups.subsets(strategy, self.dp_groups)
+        self.world = (self.tp[0] if self.groups == 1 else  # T = N: the one TP group is every replica
+                      groups.subsets(strategy, [list(range(self.replicas))])[0])
 
     @classmethod
     def of(cls, strategy: tf.distribute.Strategy, degree: int) -> "Layout":
@@ -107,38 +89,38 @@ class Layout:
                 "or tensor_parallel.unsplit(model) for a whole copy.")
         return int(replica)
 
+    def tp_group(self, replica_id: int) -> ReplicaGroup:
+        """The TP group of global replica `replica_id` (its ranks: the shards it holds)."""
+        return self.tp[replica_id // self.degree]
+
+    def dp_group(self, replica_id: int) -> ReplicaGroup:
+        """The DP group of global replica `replica_id`: the replicas that hold its shards."""
+        return self.dp[self.rank(replica_id)]
+
     def tp_launcher(self, replica_id: int):
         """The launcher of this replica's TP group, on its device."""
-        return self._tp[replica_id // self.degree][self.device_of[replica_id]]
+        return self.tp_group(replica_id).launcher(replica_id)
 
     def dp_launcher(self, replica_id: int):
         """The launcher of this replica's DP group (None when the DP group is one replica)."""
         if self.groups == 1:
             return None
-        return self._dp[self.rank(replica_id)][self.device_of[replica_id]]
+        return self.dp_group(replica_id).launcher(replica_id)
 
     def world_launcher(self, replica_id: int):
         """The launcher of the group of every replica (its own group key), on this replica's
         device: what replicated weights' gradients are summed over."""
-        return self._world[self.device_of[replica_id]]
+        return self.world.launcher(replica_id)
 
     def tp_all_reduce(self, tensor: tf.Tensor) -> tf.Tensor:
         """SUM over this replica's TP group (replica context). bfloat16 is summed in float32
         (TensorFlow's NCCL path cannot sum bfloat16)."""
-        launcher = self.tp_launcher(self.here())
-        if tensor.dtype == tf.bfloat16:
-            return tf.cast(launcher.all_reduce(tf.cast(tensor, tf.float32)), tf.bfloat16)
-        return launcher.all_reduce(tensor)
+        return self.tp_group(self.here()).all_reduce(tensor)
 
     def tp_all_gather(self, tensor: tf.Tensor, axis: int) -> tf.Tensor:
         """Concatenation along `axis` of every TP rank's `tensor`, in rank order (its static
         shape kept: the launcher's gather loses it)."""
-        gathered = self.tp_launcher(self.here()).all_gather(tensor, axis)
-        shape = tensor.shape.as_list() if tensor.shape.rank is not None else None
-        if shape is not None:
-            shape[axis] = None if shape[axis] is None else shape[axis] * self.degree
-            gathered.set_shape(shape)
-        return gathered
+        return self.tp_group(self.here()).all_gather(tensor, axis)
 
     def describe(self) -> str:
         return (f"{self.degree}-way tensor parallel x {self.groups} data-parallel group(s) over "
@@ -183,7 +165,3 @@ def check_divides(degree: int, heads: int | None = None, hidden: int | None = No
         raise TensorParallelError(
             f"tensor_parallel={degree} does not divide the MLP width {hidden}: use a degree that "
             f"divides {hidden}.")
-
-
-def _here() -> str:
-    return tf.DeviceSpec.from_string(tf.config.list_logical_devices()[0].name).to_string()

@@ -6,7 +6,9 @@ of the accumulated gradients (ZeRO-2), with the user's own Keras optimizer. A Ze
 (tfpar.tensor_parallel) is a block of one layer's weight: the two words name two things.
 
 - partitions.py: which elements each replica owns (PartitionLayout), as boxes of each
-  variable's shape, and the collectives that move them (reduce-scatter, all-gather)
+  variable's shape, and which replicas share them (PartitionGroups: every replica, or each
+  data-parallel group of a tensor-parallel model); the collectives that move them are
+  tfpar.strategy.groups'
 - optimizer.py: the user's optimizer run on the partitions (PartitionedOptimizer)
 - checkpoint.py: the partitioned state in a checkpoint, in Keras's own layout, written
   as each replica's slices
@@ -22,9 +24,9 @@ Example:
 """
 
 from tfpar.zero.checks import GRADIENTS, MODES, NONE, OPTIMIZER, check_shard, check_variable
-from tfpar.zero.partitions import BUCKET_BYTES, PartitionCollectives, PartitionLayout, replica_ranks
+from tfpar.zero.partitions import BUCKET_BYTES, PartitionGroups, PartitionLayout
 from tfpar.zero.update import ZeroUpdate, device_bytes, held_gradient_bytes, state_bytes, zero_update
 
-__all__ = ["BUCKET_BYTES", "GRADIENTS", "MODES", "NONE", "OPTIMIZER", "PartitionCollectives",
+__all__ = ["BUCKET_BYTES", "GRADIENTS", "MODES", "NONE", "OPTIMIZER", "PartitionGroups",
            "PartitionLayout", "ZeroUpdate", "check_shard", "check_variable", "device_bytes",
-           "held_gradient_bytes", "replica_ranks", "state_bytes", "zero_update"]
+           "held_gradient_bytes", "state_bytes", "zero_update"]

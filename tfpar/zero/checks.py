@@ -14,6 +14,12 @@ Compression and sharding:
   full-size state per replica, and leave a stateless SGD to apply it) and auto (decides at
   run time): refused, there is no optimizer state to shard.
 
+A tensor-parallel model (`check_split_model`): both modes, partitioned over each
+data-parallel group; refused with it: LAMB and clipnorm (each reads norms of whole
+variables, of which a data-parallel group holds one shard) and compression (the model sums
+its own gradients); what tensor parallelism refuses (tfpar.loop.tensor_parallel) stays
+refused.
+
 Example:
     >>> check_shard("gradients", "mirrored", compression="fp16")
     'gradients'
@@ -113,6 +119,31 @@ def _check_compression(mode: str, compression) -> None:
     if name not in NEED_WHOLE_SUM:
         raise ShardingError(f"shard={mode!r} does not know compression {name!r}: use none, fp16 or "
                             "bf16 (both modes) or int8, topk, sign, powersgd (shard='optimizer').")
+
+
+def check_split_model(mode: str, optimizer, aggregator=None) -> None:
+    """Refuses, by name, what the sharded update cannot do with a tensor-parallel model
+    (`optimizer`: the caller's; `aggregator`: the Trainer's).
+
+    Example:
+        >>> check_split_model("optimizer", keras.optimizers.Lamb())   # ShardingError
+    """
+    from tfpar.compression import Compression  # pylint: disable=import-outside-toplevel
+
+    if isinstance(aggregator, Compression):
+        raise ShardingError(f"shard={mode!r} with a tensor-parallel model and compression "
+                            f"{compression_name(aggregator)}: the split model sums its own gradients "
+                            "(split ones over their data-parallel group). Leave the compression out.")
+    base = private_api.base_optimizer(optimizer)
+    if isinstance(base, keras.optimizers.Lamb):
+        raise ShardingError(f"shard={mode!r} with Lamb and a tensor-parallel model: LAMB scales each "
+                            "variable's update by the norms of the whole variable, of which a "
+                            "data-parallel group holds one shard. Use AdamW (or another elementwise "
+                            "optimizer) with it, or train with shard='none'.")
+    if base.clipnorm:
+        raise ShardingError(f"shard={mode!r} with clipnorm={base.clipnorm} and a tensor-parallel model: "
+                            "clipnorm clips each variable by its whole norm, of which a data-parallel "
+                            "group holds one shard. Use global_clipnorm (the whole gradient's norm).")
 
 
 def check_variable(variable) -> None:

@@ -36,6 +36,7 @@ import keras
 
 from tfpar.errors import ShardingError
 from tfpar.strategy import private_api
+from tfpar.tensor_parallel import shards
 from tfpar.zero import checkpoint as zero_checkpoint
 
 STANDS_FOR = "_tfpar_zero_state"  # the attribute that holds the partitioned state's entries
@@ -77,9 +78,11 @@ def keras_variables(shard, view) -> dict:
 
 
 def _shape(entry) -> tuple:
+    """The shape an entry is saved with: a split weight's slot (a PartitionValue, or a
+    tensor-parallel optimizer's shard) whole."""
     if isinstance(entry, zero_checkpoint.PartitionValue):
-        return tuple(entry.layout.shapes[entry.index])
-    return tuple(entry.shape)
+        return entry.shape
+    return tuple(shards.whole_shape(entry))
 
 
 def _value(entry):

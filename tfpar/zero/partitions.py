@@ -18,36 +18,39 @@ reduce-scatter leaves each replica the sum of its own row ([C]), and the all-gat
 updated pieces ([C] each) gives [R, C] back, which `unrows` turns into whole variables. A
 bucket bounds the full-size concatenation that exists at one time.
 
-Collectives (`PartitionCollectives`, replica context, inside tf.function):
+Which replicas share the chunks (`PartitionGroups`): every replica, or, for a
+tensor-parallel model, each data-parallel (DP) group (the replicas that hold the same
+shards). Under tensor parallelism a split weight's chunks are chunks of its shard: the R
+members of DP group t each hold 1/R of shard t, 1/(R T) of the whole weight; a replicated
+weight is partitioned over each DP group alike (1/R of it per replica, the same chunks on
+every TP rank). In a checkpoint a shard's box is then offset along the split axis to its
+place in the whole weight (`whole_boxes`; a fused weight's box is cut at its parts).
 
-- reduce-scatter: CollectiveReduceScatterV2 on NCCL (GPUs); elsewhere TensorFlow has no
-  implementation of it ("did not find collective implementation undef" on CPU), and an
-  all-to-all (CollectiveAllToAllV2) of the rows followed by a local sum over the R received
-  rows does the same: the same bytes on the wire, (R - 1)/R of the rows.
-- all-gather: CollectiveGatherV2 of equal-sized pieces (no shape exchange).
-- all-reduce: small vectors (norms, the finiteness flag).
-
-All are issued through the strategy's own collective launcher (its group, instance keys
-and ordering token; see tfpar.strategy.private_api), so they also run inside a `tf.cond`
-branch, where a merge_call cannot.
+The collectives are tfpar.strategy.groups' (replica context, inside tf.function): the
+reduce-scatter (CollectiveReduceScatterV2 on NCCL; elsewhere an all-to-all of the rows,
+then a local sum: the same bytes on the wire), the all-gather of equal-sized pieces (no
+shape exchange) and the small all-reduces (norms, the finiteness flag), all through
+TensorFlow's own collective launchers (the strategy's for every replica, so they also
+run inside a `tf.cond` branch, where a merge_call cannot).
 
 Example:
     >>> layout = PartitionLayout(model.trainable_variables, replicas=2)
     >>> layout.chunks           # elements each replica holds of each variable
-    >>> comm = PartitionCollectives(tf.distribute.get_replica_context(), ranks)
+    >>> groups = PartitionGroups(strategy)                   # under strategy.scope()
+    >>> comm = groups.partition(here())                      # replica context
     >>> mine = comm.reduce_scatter(layout.rows(grads, layout.buckets[0]))   # [C]
     >>> layout.boxes(0, rank=1)  # [((8, 0), (12, 37))]: rows 8-19 of a [32, 37] kernel
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Sequence
 
 import tensorflow as tf
 
 from tfpar.errors import ShardingError
-from tfpar.strategy import private_api
+from tfpar.strategy import groups
+from tfpar.strategy.groups import GroupError, ReplicaGroup
 
 #: Bytes of one bucket's rows (R x C elements in its wire dtype): the full-size
 #: concatenation that the reduce-scatter and the all-gather hold at one time.
@@ -206,74 +209,66 @@ def _size(path: str, shape: tuple) -> int:
     return size
 
 
-class PartitionCollectives:
-    """The sharded update's collectives in one replica context (see module docstring).
+def whole_boxes(box, spec, shard_shape: Sequence[int], rank: int) -> list:
+    """A box of tensor-parallel shard `rank` (in the shard's coordinates; `spec` its
+    ShardSpec) as boxes of the whole weight, one per fused part it crosses:
+    [(whole box, (start, stop) along spec.axis within `box`)].
 
-    Args:
-      context: the replica context (traced inside tf.function).
-      ranks: replica id -> collective rank (see `replica_ranks`).
+    Example:
+        >>> spec = ShardSpec(axis=1, degree=2, parts=3)      # [4, 12] = q | k | v, shards [4, 6]
+        >>> whole_boxes(((0, 2), (4, 4)), spec, (4, 6), rank=1)   # k_1 and v_1
+        [(((0, 6), (4, 2)), (0, 2)), (((0, 10), (4, 2)), (2, 4))]
+    """
+    starts, lengths = box
+    axis, width = spec.axis, int(shard_shape[spec.axis]) // spec.parts  # one part of one shard
+    first, stop = starts[axis], starts[axis] + lengths[axis]
+    found = []
+    for part in range(first // width, -(-stop // width)):
+        lo, hi = max(first, part * width), min(stop, (part + 1) * width)
+        whole_start = part * width * spec.degree + rank * width + lo - part * width
+        new_starts = tuple(whole_start if d == axis else s for d, s in enumerate(starts))
+        new_lengths = tuple(hi - lo if d == axis else n for d, n in enumerate(lengths))
+        found.append(((new_starts, new_lengths), (lo - first, hi - first)))
+    return found
+
+
+class PartitionGroups:
+    """Which replicas share a ZeRO run's chunks, and the groups its collectives run over.
+
+    Without tensor parallelism every replica is one partition group (the strategy's own
+    launchers). With a tensor-parallel `tensor_layout` each data-parallel group is one (its
+    R members hold the chunks of one shard), each replica's tensor-parallel group sums the
+    replicated weights' gradients, and the layout's group of every replica agrees on the
+    norms. Made under `strategy.scope()`: it reads the collective ranks (a gather every
+    worker reaches), which decide which chunk a replica owns.
+
+    Example:
+        >>> groups = PartitionGroups(strategy, layout_of(model))
+        >>> groups.replicas, groups.ranks          # R, {replica id: its chunk}
     """
 
-    def __init__(self, context, ranks: dict[int, int]):
-        self.replicas = context.num_replicas_in_sync
-        replica = tf.get_static_value(context.replica_id_in_sync_group)
-        self.rank = ranks[int(replica)]
-        self.launcher = private_api.collective_launcher(context) if self.replicas > 1 else None
-        if self.replicas > 1 and self.launcher is None:
-            raise ShardingError(f"{type(context.strategy).__name__} has no collective launchers: the "
-                                "sharded update runs under mirrored or multi_worker_mirrored.")
-        self.nccl = self.replicas > 1 and private_api.launcher_uses_nccl(self.launcher)
+    def __init__(self, strategy, tensor_layout=None):
+        self.tensor_layout = tensor_layout
+        try:
+            if tensor_layout is None:
+                self.world = groups.world(strategy)
+                self.partitions = [self.world]
+            else:
+                self.world, self.partitions = tensor_layout.world, list(tensor_layout.dp)
+            groups.measure_ranks(strategy, self.partitions, self.world)
+        except GroupError as e:
+            raise ShardingError(f"{e} The sharded update runs under mirrored or multi_worker_mirrored.") from None
+        self.replicas = self.partitions[0].size
+        #: replica id -> its rank in its partition group (the chunk it owns), every replica
+        self.ranks = {r: k for g in self.partitions for r, k in g.ranks.items()}
+        #: replica id -> its tensor-parallel rank (the shard it holds); None: not split
+        self.tensor_ranks = None if tensor_layout is None else {
+            r: tensor_layout.rank(r) for r in range(tensor_layout.replicas)}
 
-    def reduce_scatter(self, rows: tf.Tensor) -> tf.Tensor:
-        """[R, C] rows of every replica -> the sum of row `rank` over replicas, [C]."""
-        if self.replicas == 1:
-            return rows[0]
-        if self.nccl:
-            summed = private_api.launcher_reduce_scatter(self.launcher, tf.reshape(rows, [-1]))
-            return tf.ensure_shape(summed, rows.shape[1:])  # the op leaves its length unknown
-        received = private_api.launcher_all_to_all(self.launcher, rows)  # row i from replica i
-        return tf.reduce_sum(received, axis=0)
+    def partition(self, replica: int) -> ReplicaGroup:
+        """The group whose members share `replica`'s chunks."""
+        return next(g for g in self.partitions if replica in g)
 
-    def all_gather(self, piece: tf.Tensor) -> tf.Tensor:
-        """This replica's [C] -> [R, C], row k from rank k."""
-        if self.replicas == 1:
-            return piece[None]
-        return private_api.launcher_all_gather_same_shape(self.launcher, piece[None])
-
-    def all_reduce(self, vector: tf.Tensor) -> tf.Tensor:
-        """A small vector summed over replicas."""
-        if self.replicas == 1:
-            return vector
-        return private_api.launcher_all_reduce(self.launcher, vector)
-
-
-_RANKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def replica_ranks(strategy) -> dict[int, int]:
-    """Replica id -> the collective rank the strategy's launchers give it (every worker must
-    call this, once per strategy: it is a collective). The rank decides which chunk a
-    replica owns."""
-    if strategy.num_replicas_in_sync == 1:
-        return {0: 0}
-    if strategy not in _RANKS:
-        _RANKS[strategy] = _gathered_ranks(strategy)
-    return dict(_RANKS[strategy])
-
-
-def _gathered_ranks(strategy) -> dict[int, int]:
-
-    def gather():
-        context = tf.distribute.get_replica_context()
-        launcher = private_api.collective_launcher(context)
-        if launcher is None:
-            return tf.reshape(context.replica_id_in_sync_group, [1])
-        return private_api.launcher_all_gather_same_shape(
-            launcher, tf.reshape(context.replica_id_in_sync_group, [1]))
-
-    found = strategy.experimental_local_results(tf.function(lambda: strategy.run(gather))())[0]
-    ids = [int(i) for i in found.numpy()]
-    if sorted(ids) != list(range(strategy.num_replicas_in_sync)):
-        raise ShardingError(f"{type(strategy).__name__} has no collective launchers: the sharded "
-                            "update runs under mirrored or multi_worker_mirrored.")
-    return {replica: rank for rank, replica in enumerate(ids)}
+    def tensor(self, replica: int) -> ReplicaGroup | None:
+        """`replica`'s tensor-parallel group (None without tensor parallelism)."""
+        return None if self.tensor_layout is None else self.tensor_layout.tp_group(replica)

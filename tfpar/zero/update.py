@@ -24,6 +24,24 @@ The optimizer state is checkpointed in Keras's own layout, each replica writing 
 slices (tfpar.zero.checkpoint; one file per worker across workers, tfpar.zero.files), and
 the caller's optimizer object saves and loads it too (tfpar.zero.own_optimizer).
 
+A tensor-parallel model (R data-parallel groups x T, tfpar.tensor_parallel; the Trainer
+calls `split_over(layout)`) is partitioned over each data-parallel (DP) group: the R
+replicas that hold the same shards. Each keeps 1/R of its shard's state (1/(R x T) of the
+whole weight's) and 1/R of every replicated weight's (the same chunks on every TP rank).
+The Trainer divides each replica's loss by N = R x T, so per step:
+
+    split weight:       gradient x T            --reduce-scatter over the DP group-->
+    replicated weight:  --all-reduce over the TP group--> --reduce-scatter over the DP group-->
+    norm^2 = sum of the split chunks' squares + sum of the replicated chunks' squares / T
+             (each split chunk is owned once; a replicated one once per TP rank), one
+             all-reduce over every replica (with the finiteness flag)
+    update of the chunks --all-gather over the DP group--> each replica's own shard whole
+
+Every TP rank reduce-scatters the same bits of a replicated gradient (the all-reduce gives
+every member one sum) and sums the rows in one order, so the replicated weights stay
+bit-identical on every replica. Refused with it: LAMB and clipnorm (each needs norms of
+whole variables), compression, and what tensor parallelism refuses.
+
 What a step does not change: Keras's clip (global_clipnorm with the norm of the whole
 gradient, clipnorm with each variable's whole norm, clipvalue), decoupled weight decay
 and its exclusions, schedules, EMA, fp16's dynamic loss scale (one agreed flag: every
@@ -33,6 +51,8 @@ Example:
     >>> trainer = tfpar.Trainer(model, keras.optimizers.AdamW(1e-3), loss, strategy=strategy,
     ...                         shard="gradients", accumulate=4)
     >>> check_shard("gradients", "mirrored", compression="topk")   # ShardingError, by name
+    >>> tp_model = GPT(..., tensor_parallel=2)        # under mirrored over 4 devices
+    >>> tfpar.Trainer(tp_model, keras.optimizers.AdamW(1e-3), loss, shard="optimizer")   # 2 x 2
 """
 
 from __future__ import annotations
@@ -46,20 +66,21 @@ from tfpar.compression import accounting
 from tfpar.errors import ShardingError
 from tfpar.zero import checkpoint as zero_checkpoint
 from tfpar.zero import own_optimizer
+from tfpar.strategy import groups, private_api
+from tfpar.tensor_parallel.shards import spec_of
 from tfpar.zero.checks import (GRADIENTS, MODES, NONE, OPTIMIZER, WIRE_DTYPE_ONLY,  # noqa: F401
-                               check_shard, check_variable, compression_name)
-from tfpar.zero.partitions import BUCKET_BYTES, PartitionCollectives, PartitionLayout, replica_ranks
+                               check_shard, check_split_model, check_variable, compression_name)
+from tfpar.zero.partitions import BUCKET_BYTES, PartitionGroups, PartitionLayout
 from tfpar.zero.optimizer import PartitionedOptimizer
-from tfpar.strategy import private_api
 
 GRADIENT_SCOPE = "tfpar_gradients_held"  # the gradient buffer a step holds until its update
 
 
-def _agreed_sum(comm, vector: tf.Tensor) -> tf.Tensor:
+def _agreed_sum(group, vector: tf.Tensor) -> tf.Tensor:
     """A small all-reduce that carries no gradient (norms, the finiteness flag): named like
     the Trainer's finiteness check, so wire_bytes counts it as `check_bytes_per_step`."""
     with tf.name_scope(accounting.CHECK_SCOPE):
-        return comm.all_reduce(vector)
+        return group.all_reduce(vector)
 
 
 def _held(tensors: list) -> list:
@@ -81,34 +102,49 @@ class ZeroUpdate:
         if check_shard(mode) == NONE:
             raise ShardingError("ZeroUpdate('none') shards nothing: pass shard='none' to the Trainer.")
         self.mode, self.bucket_bytes = mode, bucket_bytes
-        self.shard = self.layout = self.strategy = self._aggregator = None
-        self._ranks, self._policy, self._view = {}, "stop", None
+        self.shard = self.layout = self.strategy = self._aggregator = self.groups = None
+        self.tensor_layout = None
+        self._ranks, self._split, self._policy, self._view = {}, [], "stop", None
+
+    def split_over(self, tensor_layout) -> None:
+        """The model is split over `tensor_layout` (a tfpar.tensor_parallel.Layout): its
+        chunks are partitioned over each data-parallel group (see module docstring). Call
+        it before `configure`."""
+        self.tensor_layout = tensor_layout
 
     def configure(self, strategy, optimizer, aggregator, placement, nonfinite: str) -> None:
-        """Checks the Trainer's options (ShardingError by name) before anything is built. (A
-        tensor-parallel model, known from its split weights, is refused by the Trainer.)"""
+        """Checks the Trainer's options (ShardingError by name) before anything is built."""
         from tfpar.aggregation import AllReduce  # pylint: disable=import-outside-toplevel
         from tfpar.compression import Compression  # pylint: disable=import-outside-toplevel
         from tfpar.strategy.describe import strategy_kind  # pylint: disable=import-outside-toplevel
 
         check_shard(self.mode, strategy_kind(strategy), aggregator if isinstance(aggregator, Compression)
                     else None, placement)
-        if not isinstance(aggregator, (AllReduce, Compression)) and self.mode == GRADIENTS:
+        if self.tensor_layout is not None:  # its own sums (see module docstring), no aggregator's
+            check_split_model(self.mode, optimizer, aggregator)
+            self._aggregator = None
+        elif not isinstance(aggregator, (AllReduce, Compression)) and self.mode == GRADIENTS:
             raise ShardingError(f"shard='gradients' with the aggregator {type(aggregator).__name__}: an "
                                 "aggregator returns the whole sum, which ZeRO-2 never holds. Use "
                                 "shard='optimizer' (the aggregator's sum, then each replica's chunk).")
+        else:
+            self._aggregator = None if isinstance(aggregator, AllReduce) else aggregator
         self.strategy, self._policy = strategy, nonfinite
-        self._aggregator = None if isinstance(aggregator, AllReduce) else aggregator
         self.shard = PartitionedOptimizer(optimizer)
 
     def build(self, variables) -> None:
-        """Under `strategy.scope()`: the layout, the ranks, the optimizer on the chunks."""
+        """Under `strategy.scope()`: the groups and their ranks, the layout, the optimizer
+        on the chunks."""
         for variable in variables:
             check_variable(variable)
-        self.layout = PartitionLayout(variables, self.strategy.num_replicas_in_sync, self.bucket_bytes)
-        self._ranks = replica_ranks(self.strategy)
+        self.groups = PartitionGroups(self.strategy, self.tensor_layout)
+        self.layout = PartitionLayout(variables, self.groups.replicas, self.bucket_bytes)
+        self._ranks = self.groups.ranks
+        specs = [spec_of(v) if self.tensor_layout is not None else None for v in variables]
+        self._split = [s is not None for s in specs]
         self.shard.build(self.layout, variables)
-        self._view = zero_checkpoint.optimizer_view(self.shard, self.layout, self._ranks)
+        owners = zero_checkpoint.Owners(self._ranks, self.groups.tensor_ranks, tuple(specs))
+        self._view = zero_checkpoint.optimizer_view(self.shard, self.layout, owners)
         own_optimizer.take_built_state(self.shard, self._view)  # e.g. after keras.models.load_model
         own_optimizer.stand_in(self.shard, self._view)  # the caller's optimizer saves the partitions
 
@@ -122,7 +158,8 @@ class ZeroUpdate:
         """One step on this replica: `passes` yields (loss, gradients) per micro-batch,
         `aggregate` is the Trainer's aggregator (with its skipped-step state); returns the
         summed loss."""
-        comm = PartitionCollectives(tf.distribute.get_replica_context(), self._ranks)
+        replica = groups.here()
+        comm = self.groups.partition(replica)
         unscale = None if self.shard.scale is None else 1.0 / self.loss_scale()
         total = full = shard = updated = None
         for loss, grads in passes:
@@ -130,19 +167,19 @@ class ZeroUpdate:
             updated = [g is not None for g in grads]
             grads = [self._dense(g, v, unscale) for g, v in zip(grads, variables)]
             if self.mode == GRADIENTS:
-                part = self._scatter(comm, grads)
+                part = self._scatter(replica, self._tensor_parallel_sums(replica, grads))
                 shard = part if shard is None else [a + b for a, b in zip(shard, part)]
             else:
                 full = grads if full is None else [a + b for a, b in zip(full, grads)]
         if self.mode == OPTIMIZER:
             if self._scatters():
-                shard = self._scatter(comm, _held(full))
+                shard = self._scatter(replica, self._tensor_parallel_sums(replica, _held(full)))
             else:  # the aggregator's whole sum, then this replica's chunk
                 summed = aggregate(_held(full), variables)
-                shard = [self.layout.chunk(tf.convert_to_tensor(s), i, comm.rank) for i, s in enumerate(summed)]
+                shard = [self.layout.chunk(tf.convert_to_tensor(s), i, comm.rank()) for i, s in enumerate(summed)]
         else:
             shard = _held(shard)
-        self._update(comm, shard, updated, variables, index, guard)
+        self._update(replica, shard, updated, variables, index, guard)
         return total
 
     @staticmethod
@@ -163,10 +200,27 @@ class ZeroUpdate:
         plan = self._aggregator._plan_for(self._aggregator._phase)  # pylint: disable=protected-access
         return [c if c is not None and c.wire_dtype != tf.float32 else None for c in plan]
 
-    def _scatter(self, comm, grads: list) -> list:
-        """Whole gradients -> this replica's chunk of their sum, one [c_i] per variable,
-        one reduce-scatter per bucket (in the compression's wire dtype, if any)."""
-        plan, replicas = self._plan(), comm.replicas
+    def _tensor_parallel_sums(self, replica: int, grads: list) -> list:
+        """A tensor-parallel model's gradients made ready for the DP group's reduce-scatter:
+        a split weight's times T, a replicated weight's summed over the TP group (one
+        packed all-reduce: every rank then holds the same bits). As they are without."""
+        tensor = self.groups.tensor(replica)
+        if tensor is None:
+            return grads
+        found = [g * tf.cast(tensor.size, g.dtype) if split else g for g, split in zip(grads, self._split)]
+        whole = [i for i, split in enumerate(self._split) if not split]
+        if whole:
+            with tf.name_scope("tensor_parallel/replicated_sum"):
+                for i, summed in zip(whole, tensor.batch_all_reduce([grads[i] for i in whole])):
+                    found[i] = summed
+        return found
+
+    def _scatter(self, replica: int, grads: list) -> list:
+        """Whole gradients -> this replica's chunk of their sum over its partition group,
+        one [c_i] per variable, one reduce-scatter per bucket (in the compression's wire
+        dtype, if any)."""
+        comm = self.groups.partition(replica)
+        plan, replicas = self._plan(), comm.size
         wire = [c.wire_dtype if c else d for c, d in zip(plan, self.layout.dtypes)]
         pieces = [None] * len(grads)
         for bucket in self.layout.buckets_for(wire):
@@ -176,10 +230,20 @@ class ZeroUpdate:
                 pieces[i] = plan[i].decode(part, replicas) if plan[i] else part
         return pieces
 
-    def _agree(self, comm, shard: list) -> dict:
-        """One all-reduce of what every replica must agree on: the squared norms (global or
-        per variable, for clipping and the finiteness flag) and, under fp16, the count of
-        non-finite scaled gradients (Keras's LossScaleOptimizer test). {} if none is needed."""
+    def _squares(self, shard: list) -> list:
+        """Each chunk's sum of squares, as its share of the whole gradient's: a replicated
+        weight's chunks repeat on every TP rank, so they count 1/T each."""
+        squares = [tf.reduce_sum(tf.square(g)) for g in shard]
+        if self.tensor_layout is None:
+            return squares
+        degree = float(self.tensor_layout.degree)
+        return [s if split else s / degree for s, split in zip(squares, self._split)]
+
+    def _agree(self, shard: list) -> dict:
+        """One all-reduce over every replica of what every replica must agree on: the
+        squared norms (global or per variable, for clipping and the finiteness flag) and,
+        under fp16, the count of non-finite scaled gradients (Keras's LossScaleOptimizer
+        test). {} if none is needed."""
         base, fp16 = self.shard.base, self.shard.scale is not None
         per_variable = bool(base.clipnorm and base.clipnorm > 0)
         norm = per_variable or bool(base.global_clipnorm) or (self._policy != "ignore" and not fp16)
@@ -187,12 +251,12 @@ class ZeroUpdate:
             return {}
         vector = []
         if norm:
-            squares = [tf.reduce_sum(tf.square(g)) for g in shard]
+            squares = self._squares(shard)
             vector += squares if per_variable else [tf.add_n(squares)]
         if fp16:
             vector.append(tf.add_n([tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(g * self.shard.scale)),
                                                           tf.float32)) for g in shard]))
-        summed = _agreed_sum(comm, tf.stack(vector))
+        summed = _agreed_sum(self.groups.world, tf.stack(vector))
         found = {}
         if norm:
             found["each"] = summed[:len(shard)] if per_variable else None
@@ -200,13 +264,14 @@ class ZeroUpdate:
         found["finite"] = tf.equal(summed[-1], 0.0) if fp16 else tf.math.is_finite(found["total"])
         return found
 
-    def _update(self, comm, shard, updated, variables, index, guard) -> None:
-        agreed = self._agree(comm, shard)
+    def _update(self, replica: int, shard, updated, variables, index, guard) -> None:
+        agreed = self._agree(shard)
         finite = agreed.get("finite")
         fp16 = self.shard.scale is not None
         if self._policy in ("stop", "skip") and not fp16:
             guard.note(finite, index)
         grads = self.shard.clip(shard, agreed)
+        comm = self.groups.partition(replica)
         if self._policy == "skip" or fp16:
             tf.cond(finite, lambda: self._apply(comm, grads, updated, variables) or tf.constant(True),
                     lambda: tf.constant(False))
@@ -217,18 +282,20 @@ class ZeroUpdate:
 
     def _apply(self, comm, grads, updated, variables) -> None:
         """The optimizer on this replica's chunks, then every variable whole again."""
+        rank = comm.rank()
         for i, (variable, piece) in enumerate(zip(variables, self.shard.pieces)):
-            piece.assign(self.layout.chunk(tf.convert_to_tensor(variable.value), i, comm.rank))
+            piece.assign(self.layout.chunk(tf.convert_to_tensor(variable.value), i, rank))
         self.shard.apply(grads, updated, lambda vector: _agreed_sum(comm, vector))
         self._gather_into(comm, self.shard.pieces, variables, constrain=True)
         private_api.local_component(self.shard.base._iterations).assign_add(1)  # pylint: disable=protected-access
 
     def _gather_into(self, comm, pieces, variables, constrain: bool) -> None:
-        """Every replica's chunks, all-gathered bucket by bucket, written whole into this
-        replica's copy of each variable (every replica writes the same values)."""
+        """Every chunk of the partition group, all-gathered bucket by bucket, written whole
+        into this replica's copy of each variable (every member writes the same values)."""
         for bucket in self.layout.buckets:
             mine = tf.concat([tf.convert_to_tensor(pieces[i]) for i in bucket], 0)
-            for i, whole in zip(bucket, self.layout.unrows(comm.all_gather(mine), bucket)):
+            rows = comm.all_gather_same_shape(mine[None])  # (R, C): row k from rank k
+            for i, whole in zip(bucket, self.layout.unrows(rows, bucket)):
                 constraint = getattr(variables[i], "constraint", None)
                 if constrain and constraint is not None:  # Keras: after the update, on the whole
                     whole = constraint(whole)
@@ -242,7 +309,7 @@ class ZeroUpdate:
             return
 
         def replica():
-            comm = PartitionCollectives(tf.distribute.get_replica_context(), self._ranks)
+            comm = self.groups.partition(groups.here())
             self._gather_into(comm, self.shard.averages(), variables, constrain=False)
 
         tf.function(lambda: self.strategy.run(replica))()
