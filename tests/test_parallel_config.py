@@ -86,6 +86,7 @@ KINDS = {  # in this process: 4 logical CPUs
                                  balance="params", remat="attention"),
     "pipeline_zb_v": dict(stages=2, schedule="zb-v", chunks=2, microbatches=2, balance="params"),
     "shard_optimizer": dict(shard="optimizer"),
+    "shard_gradients_tensor_2x2": dict(shard="gradients", tensor=2),   # ZeRO-2 over each DP group
 }
 STRATEGY = {"pipeline_interleaved": "default", "pipeline_zb_v": "default"}  # one pipeline
 
@@ -140,7 +141,6 @@ BAD = [
     (dict(schedule="1f1b"), "loop", "config.parallel.schedule: applies to a pipeline; with parallel.stages=1"),
     (dict(stages=2, tensor=2), "loop", "config.parallel.tensor: a pipeline of tensor-parallel stages is not built"),
     (dict(stages=2, shard="optimizer"), "loop", "config.parallel.shard: shard='optimizer' with layer placement"),
-    (dict(tensor=2, shard="optimizer"), "loop", "config.parallel.shard: sharding the optimizer state of a tensor"),
     (dict(schedule="pipedream"), "loop", "config.parallel.schedule: 'pipedream' is not one of gpipe, 1f1b"),
     (dict(balance="memory"), "loop", "config.parallel.balance: 'memory' is not one of params, flops, seconds"),
     (dict(stages=0), "loop", "config.parallel.stages: must be a positive integer"),

@@ -139,8 +139,6 @@ def _validate_shard(config) -> None:
     p = config.parallel
     if p.shard == "none":
         return
-    _require(p.tensor == 1, "shard", "sharding the optimizer state of a tensor-parallel model is "
-             "not built (its weights are split already): use parallel.shard=none with parallel.tensor.")
     try:
         check_shard(p.shard, _strategy_kind(config), config.compression, "pipeline" if p.stages > 1 else None)
     except ShardingError as error:
