@@ -186,3 +186,42 @@ def test_layout_maps_tfpar_cannot_honour_are_refused_by_name():
             r"n/gamma \(a LayerNormalization weight\) cannot be split")
     refused({"c/kernel": (None, None, None, "model")}, lambda: functional(keras.layers.Conv2D(4, 3, name="c"), (8, 8, 1)),
             r"c/kernel \(a Conv2D weight\) cannot be split")
+
+
+@pytest.mark.multiprocess
+def test_the_guides_data_parallel_program_runs_on_two_worker_processes(tmp_path):
+    """The same program in 2 processes of a cluster (tfpar-launch's TF_CONFIG): tfpar runs
+    it under multi_worker_mirrored; `model.fit` and `tfpar.Trainer` (a plain dataset) each
+    end on one device's weights (1e-5), the same on both workers."""
+    from procs import launch
+    from scripts import fit_model
+
+    keras.distribution.set_distribution(None)
+    init = fit_model.initial_weights()
+    np.savez(tmp_path / "init.npz", **{f"w{i}": w for i, w in enumerate(init)})
+    result = launch(2, "distribution_worker.py", str(tmp_path / "init.npz"), str(tmp_path))
+    out = result.stdout
+    assert result.returncode == 0, out[-4000:]
+    assert out.count("STRATEGY multi_worker_mirrored replicas=2 workers=2") == 2, out[-4000:]
+    assert out.count("DONE") == 2
+    reference, _ = fit_model.train(tf.distribute.get_strategy(), init)
+    for name in ("fit", "loop"):
+        files = [np.load(tmp_path / f"{name}{i}.npz") for i in range(2)]
+        workers = [[f[f"arr_{i}"] for i in range(len(f.files))] for f in files]
+        for a, b in zip(*workers):
+            np.testing.assert_array_equal(a, b)
+        assert_equal(workers[0], reference)
+
+
+def test_enable_in_a_cluster_process_after_tensorflow_started_names_the_fix(monkeypatch):
+    """The multi-worker strategy must exist before TensorFlow starts (here it has)."""
+    import json
+
+    from tfpar.distribution import mesh
+    from tfpar.errors import RuntimeAlreadyStartedError
+
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+                                                "task": {"type": "worker", "index": 0}}))
+    monkeypatch.setattr(mesh, "_CLUSTER", {})
+    with pytest.raises(RuntimeAlreadyStartedError, match=r"call tfpar.distribution.enable\(\) first thing"):
+        mesh.start_cluster_strategy()

@@ -33,7 +33,7 @@ import functools
 
 import tensorflow as tf
 
-from tfpar.distribution import keras_trainer
+from tfpar.distribution import keras_trainer, mesh
 from tfpar.distribution.mesh import current_plan
 from tfpar.strategy import keras_fixes, private_api, trainer_fixes
 from tfpar.tensor_parallel import splitting
@@ -115,6 +115,7 @@ def enable() -> None:
     """keras.distribution on TensorFlow through tfpar, from now on (idempotent)."""
     if _ORIGINALS:
         return
+    mesh.start_cluster_strategy()  # in a cluster process: before anything starts TensorFlow
     keras_fixes.apply_and_report()  # what fit needs under a strategy (and on one device: sparse rows)
     for owner, name, make in _targets():
         original = getattr(owner, name, None)

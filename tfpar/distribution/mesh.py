@@ -107,12 +107,35 @@ def _tf_device(name) -> str:
     return f"/device:{kind.rsplit('/', 1)[-1].upper()}:{index}"
 
 
+_CLUSTER: dict = {}  # "strategy": this cluster process's multi-worker strategy (one per process)
+
+
+def start_cluster_strategy() -> None:
+    """In a process of a cluster (TF_CONFIG, SLURM), makes its multi_worker_mirrored strategy
+    now: it must exist before TensorFlow starts, and keras.distribution's own constructors
+    (`DataParallel()` lists the devices) start it. `enable()` calls this."""
+    import tfpar  # pylint: disable=import-outside-toplevel
+    from tfpar.errors import RuntimeAlreadyStartedError  # pylint: disable=import-outside-toplevel
+    from tfpar.strategy import cluster, runtime  # pylint: disable=import-outside-toplevel
+
+    if _CLUSTER or cluster.find_cluster() is None:
+        return
+    if runtime.runtime_started():  # before create_strategy's wait for the peers
+        raise RuntimeAlreadyStartedError(
+            "This process is one of a cluster (TF_CONFIG or SLURM), and its multi-worker strategy "
+            "must be made before TensorFlow starts, but TensorFlow already ran an op: call "
+            "tfpar.distribution.enable() first thing in your program, before keras.distribution's "
+            "DeviceMesh / DataParallel (they list the devices), models or data.")
+    _CLUSTER["strategy"] = tfpar.create_strategy("multi_worker_mirrored")
+
+
 def _strategy_over(devices: list[str]):
-    """The strategy tfpar would pick over `devices`: multi_worker_mirrored when this process
-    is one of a cluster, mirrored otherwise."""
+    """The strategy tfpar would pick over `devices`: this process's multi_worker_mirrored
+    when it is one of a cluster (made by `start_cluster_strategy`), mirrored otherwise."""
     import tfpar  # pylint: disable=import-outside-toplevel
     from tfpar.strategy import cluster  # pylint: disable=import-outside-toplevel
 
     if cluster.find_cluster() is not None:
-        return tfpar.create_strategy("multi_worker_mirrored")
+        start_cluster_strategy()
+        return _CLUSTER["strategy"]
     return tfpar.create_strategy("mirrored", devices=devices)
