@@ -75,6 +75,7 @@ def assert_close(actual, expected, tol=1e-5):
 
 @pytest.mark.parametrize("name,devices,model_axis", [
     ("llama", 2, 2), pytest.param("llama", 4, 2, marks=pytest.mark.slow), ("llama_megatron", 2, 2),
+    pytest.param("llama", 4, 4, marks=pytest.mark.slow),
     pytest.param("gemma", 4, 2, marks=pytest.mark.slow), pytest.param("gpt2", 2, 2, marks=pytest.mark.slow)])
 def test_logits_loss_and_every_gradient_equal_the_unsplit_model(name, devices, model_axis):
     x, y, w = next(iter(batches(1)))
@@ -133,7 +134,8 @@ def one_device_weights(name):
 
 @pytest.mark.slow  # each trains an unsplit and a split model: 10-20 s
 @pytest.mark.parametrize("name,devices,model_axis,how", [
-    ("llama", 2, 2, "fit"), ("llama", 4, 2, "trainer"), ("gemma", 4, 2, "fit"), ("gpt2", 2, 2, "trainer")])
+    ("llama", 2, 2, "fit"), ("llama", 4, 2, "trainer"), ("llama", 4, 4, "fit"), ("gemma", 4, 2, "fit"),
+    ("gpt2", 2, 2, "trainer")])
 def test_four_adamw_steps_with_a_clip_equal_the_unsplit_model(name, devices, model_axis, how):
     expected = one_device_weights(name)
     model = split(name, devices, model_axis)
