@@ -68,24 +68,19 @@ def _initialize(original):
     return initialize
 
 
-def _trainer_init(original):
-    @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        plan = current_plan()
-        if plan is not None:
-            self._distribute_strategy = plan.strategy  # pylint: disable=protected-access
-    return __init__
-
-
-def _optimizer_init(original):
-    @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        plan = current_plan()
-        if plan is not None:  # Keras's TensorFlow optimizer keeps the strategy it was made in
-            self._distribution_strategy = plan.strategy  # pylint: disable=protected-access
-    return __init__
+def _strategy_of_plan(attribute: str):
+    """An `__init__` wrapper that sets `attribute` to the distribution's strategy: Keras's
+    TensorFlow trainer (`_distribute_strategy`) and optimizer (`_distribution_strategy`)
+    keep the strategy they were made in."""
+    def wrap(original):
+        @functools.wraps(original)
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            plan = current_plan()
+            if plan is not None:
+                setattr(self, attribute, plan.strategy)
+        return __init__
+    return wrap
 
 
 def _distribute_tensor(tensor, layout):
@@ -106,8 +101,8 @@ def _targets():
     from keras.src.layers import layer  # pylint: disable=import-outside-toplevel
 
     return ((layer.Layer, "add_weight", _add_weight), (core.Variable, "_initialize", _initialize),
-            (trainer.TensorFlowTrainer, "__init__", _trainer_init),
-            (private_api.optimizer_class(), "__init__", _optimizer_init),
+            (trainer.TensorFlowTrainer, "__init__", _strategy_of_plan("_distribute_strategy")),
+            (private_api.optimizer_class(), "__init__", _strategy_of_plan("_distribution_strategy")),
             (distribution_lib, "distribute_tensor", lambda original: _distribute_tensor))
 
 
