@@ -40,6 +40,18 @@ def test_every_fix_applies_on_this_keras():
     assert status.applied and status.keras == keras.__version__
 
 
+def test_the_fixes_apply_while_keras_distribution_is_enabled(unapplied):
+    """tfpar.distribution wraps TensorFlowTrainer.__init__ (functools.wraps): the checks read
+    through it to Keras's own code (CI once ran the fixes' tests after an enable() that
+    was never undone, and every fix was refused)."""
+    tfpar.distribution.enable()
+    try:
+        assert Trainer.__init__.__wrapped__ is not None
+        assert keras_fixes.problems() == [] and keras_fixes.apply()
+    finally:
+        tfpar.distribution.disable()
+
+
 def test_setup_py_bounds_keras_to_the_tested_releases():
     (low, high) = keras_fixes.TESTED_KERAS
     bound = re.search(r'"keras>=([\d.]+),<([\d.]+)"', (REPO / "setup.py").read_text())

@@ -35,6 +35,7 @@ def enabled():
     tfpar.distribution.enable()
     yield
     keras.distribution.set_distribution(None)
+    tfpar.distribution.disable()  # Keras's own functions back for the worker's next module
 
 
 def causal_lm(name):

@@ -177,8 +177,9 @@ def revert() -> None:
 # -- what each fix needs to find ------------------------------------------------------
 
 def _nested_code_names(function) -> set[str]:
-    """Names of the functions defined inside `function` (its closures), recursively."""
-    names, stack = set(), [getattr(function, "__code__", None)]
+    """Names of the functions defined inside `function` (its closures), recursively; a
+    `functools.wraps` wrapper (tfpar.distribution's, say) is read through to Keras's own."""
+    names, stack = set(), [getattr(inspect.unwrap(function), "__code__", None)]
     while stack:
         code = stack.pop()
         for const in code.co_consts if code is not None else ():
@@ -189,8 +190,9 @@ def _nested_code_names(function) -> set[str]:
 
 
 def _uses(function, *names: str) -> bool:
-    """Whether `function`'s code (closures included) refers to every one of `names`."""
-    found, stack = set(), [getattr(function, "__code__", None)]
+    """Whether `function`'s code (closures included) refers to every one of `names`; a
+    `functools.wraps` wrapper is read through to the function it wraps."""
+    found, stack = set(), [getattr(inspect.unwrap(function), "__code__", None)]
     while stack:
         code = stack.pop()
         if code is None:
