@@ -106,7 +106,7 @@ class Run:
     steps: int = STEPS
     shard: str = "none"  # loop: Trainer(shard=...) (ZeRO-1 'optimizer', ZeRO-2 'gradients')
     tensor: int = 0      # 0: the classic MLP; T >= 1: the Megatron MLP of tfpar's exported layers, T ways
-    distribution: str = ""  # "data" | "model": the classic MLP built under a keras.distribution (see DISTRIBUTIONS)
+    distribution: str = ""  # "data" | "model" | "fsdp": the classic MLP built under a keras.distribution (see distribution_for)
 
     def __post_init__(self):
         if not self.family:
@@ -267,7 +267,9 @@ def tensor_cases() -> list[Run]:
 # `distribution_for`); trained by `model.fit` and by `tfpar.Trainer` with a plain dataset,
 # as a Keras user writes them. Strategy "mirrored": what tfpar runs both on, 2 replicas in
 # this process. Each mode, precision and option that trains a split model, and what a split
-# model refuses (compression, sharding).
+# model refuses (compression, sharding). "fsdp": a 2 x 1 mesh whose map lays both kernels on
+# "batch", as keras-hub's maps do: whole weights, the Trainer's ZeRO-2 by default (what ZeRO-2
+# refuses, refused), fit's state whole.
 FAST_DISTRIBUTION_CASES = [Run("mirrored", "fit", "float32", "none", "global_clip", distribution="model")]
 
 
@@ -287,6 +289,10 @@ def distribution_cases() -> list[Run]:
               Run("mirrored", "fit", "float32", "topk", "none", distribution="model"),
               Run("mirrored", "loop", "float32", "dgc", "none", distribution="model"),
               Run("mirrored", "loop", "float32", "none", "global_clip", shard="optimizer", distribution="model")]
+    cases += [Run("mirrored", m, "float32", "none", "global_clip", distribution="fsdp") for m in MODES]
+    cases += [Run("mirrored", "loop", "mixed_float16", "none", "none", distribution="fsdp"),
+              Run("mirrored", "loop", "float32", "none", "accumulation", distribution="fsdp"),
+              Run("mirrored", "loop", "float32", "topk", "none", distribution="fsdp")]
     return list(dict.fromkeys(FAST_DISTRIBUTION_CASES + cases))
 
 
@@ -294,8 +300,9 @@ _DISTRIBUTIONS: dict = {}  # kind -> the keras.distribution object (one per proc
 
 
 def distribution_for(kind: str):
-    """The keras.distribution a "data" or "model" run is built under, as the keras.io guide
-    writes them, over the first 2 devices."""
+    """The keras.distribution a "data", "model" or "fsdp" run is built under, as the keras.io
+    guide writes them (fsdp: as keras-hub's maps lay weights on the batch axis), over the
+    first 2 devices."""
     import keras
 
     if kind not in _DISTRIBUTIONS:
@@ -303,6 +310,12 @@ def distribution_for(kind: str):
         if kind == "data":
             mesh = keras.distribution.DeviceMesh((2,), ["batch"], devices)
             _DISTRIBUTIONS[kind] = keras.distribution.DataParallel(device_mesh=mesh)
+        elif kind == "fsdp":  # keras-hub's style: kernels laid out on "batch" (ZeRO-2 in the Trainer)
+            mesh = keras.distribution.DeviceMesh((2, 1), ["batch", "model"], devices)
+            layout_map = keras.distribution.LayoutMap(mesh)
+            layout_map["hidden_1/kernel"] = ("batch", None)
+            layout_map["hidden_2/kernel"] = (None, "batch")
+            _DISTRIBUTIONS[kind] = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
         else:
             mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices)
             layout_map = keras.distribution.LayoutMap(mesh)
@@ -616,7 +629,8 @@ def _start(run: Run, strategy, weights) -> Callable[[], tuple[list, np.ndarray]]
     trainer = None
     if run.mode == "loop":
         trainer = Trainer(model, optimizer, loss(), strategy=None if run.distribution else strategy,
-                          compression=compression, shard=run.shard)
+                          compression=compression,  # under a distribution, unnamed: as its layout map says
+                          shard=None if run.distribution and run.shard == "none" else run.shard)
 
     def train(steps: list):
         """Trains; `steps` collects the weights after each step (it stays empty when the
@@ -692,7 +706,8 @@ def names_of(run: Run) -> dict[str, tuple[str, ...]]:
         "shard": () if run.shard == "none" else ("shard",),
         "tensor": ("tensor", "split") if run.tensor > 1 or run.distribution == "model" else (),
         "distribution": {"": (), "data": ("dataparallel", "distribution"),
-                         "model": ("modelparallel", "distribution", "layout")}[run.distribution],
+                         "model": ("modelparallel", "distribution", "layout"),
+                         "fsdp": ("modelparallel", "distribution", "layout", "batch", "shard")}[run.distribution],
     }
 
 

@@ -2,6 +2,8 @@
 training with Keras 3"), rewritten here with one line added, `tfpar.distribution.enable()`,
 train with `model.fit` and with `tfpar.Trainer` and equal the same model on one device."""
 
+import logging
+
 import keras
 import numpy as np
 import pytest
@@ -114,17 +116,22 @@ def user_transformer(vocab=32, dim=32, heads=4, seq=8):
     return keras.Model(tokens, keras.layers.Dense(vocab, name="head")(h))
 
 
-def megatron_map(mesh):
-    """Megatron's split, by hand: heads, the MLP's width, the vocabulary (embedding, head)."""
+def megatron_map(mesh, changed=None):
+    """Megatron's split, by hand: heads, the MLP's width, the vocabulary (embedding, head);
+    `changed`: entries given other layouts, or added."""
+    entries = {
+        "embed/embeddings": ("model", None),
+        "attn/(query|key|value)/kernel": (None, "model", None),
+        "attn/(query|key|value)/bias": ("model", None),
+        "attn/attention_output/kernel": ("model", None, None),
+        "up/kernel": (None, "model"),
+        "up/bias": ("model",),
+        "down/kernel": ("model", None),
+        "head/kernel": (None, "model"),  # the logits split, gathered as the model returns them
+        **(changed or {})}
     layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map["embed/embeddings"] = ("model", None)
-    layout_map["attn/(query|key|value)/kernel"] = (None, "model", None)
-    layout_map["attn/(query|key|value)/bias"] = ("model", None)
-    layout_map["attn/attention_output/kernel"] = ("model", None, None)
-    layout_map["up/kernel"] = (None, "model")
-    layout_map["up/bias"] = ("model",)
-    layout_map["down/kernel"] = ("model", None)
-    layout_map["head/kernel"] = (None, "model")  # the logits split, gathered as the model returns them
+    for key, layout in entries.items():
+        layout_map[key] = layout
     return layout_map
 
 
@@ -152,6 +159,93 @@ def test_a_transformer_of_plain_keras_layers_split_by_a_hand_written_map(devices
     model = trained()
     assert tp.split_weight_count(model) == 13  # q, k, v (kernels, biases), out; up x2, down; embed; head x2
     assert_equal(model.get_weights(), expected)
+
+
+# -- weights laid out on the batch axis (FSDP-style, as keras-hub's maps do) -------------------
+
+def fsdp_map(mesh):
+    """Megatron's split, with some weights also laid out on "batch" (keras-hub's style)."""
+    return megatron_map(mesh, {"up/kernel": ("batch", "model"), "down/kernel": ("model", "batch"),
+                               "ln2/gamma": ("batch",)})
+
+
+def adam_moment_bytes(trainer) -> dict:
+    """Bytes per device of the Adam moments the Trainer's optimizer keeps (sharded or not)."""
+    sharded = trainer._sharded  # pylint: disable=protected-access
+    if sharded is None:
+        slots = [v for v in trainer.optimizer.variables if v.path.split("/")[-1].rsplit("_", 1)[-1]
+                 in ("momentum", "velocity")]
+    else:
+        slots = [v for k, v in enumerate(sharded.shard.clone.variables) if k in sharded.shard.slot_of]
+    from tfpar import zero  # pylint: disable=import-outside-toplevel
+
+    return dict(zero.device_bytes(slots))
+
+
+@pytest.mark.parametrize("devices,model_axis", [(4, 2), pytest.param(4, 1, marks=pytest.mark.slow), (2, 2)])
+def test_weights_laid_out_on_the_batch_axis_partition_their_state_in_the_trainer(devices, model_axis, caplog):
+    """A map that lays weights on "batch": tfpar.Trainer runs ZeRO-2 over the R replicas of
+    the batch axis by default, whole weights, one line at start says so; 3 AdamW steps with
+    a clip equal the unsplit model on one device (1e-5); each device keeps 1/R of the Adam
+    moments it would keep unsharded. R = 1: nothing to partition, said. (The model ends in a
+    column-parallel head: the Trainer's pure pass gathers its logits too.)"""
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def adamw():
+        return keras.optimizers.AdamW(1e-2, global_clipnorm=0.5, epsilon=1e-3)
+
+    keras.utils.set_random_seed(0)
+    reference = user_transformer()
+    reference.compile(loss=loss, optimizer=adamw())
+    reference.fit(tokens(), epochs=1, verbose=0, shuffle=False)
+    mesh = keras.distribution.DeviceMesh((devices // model_axis, model_axis), ["batch", "model"],
+                                         keras.distribution.list_devices()[:devices])
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=fsdp_map(mesh),
+                                                                         batch_dim_name="batch"))
+    replicas = devices // model_axis
+
+    def trainer(**shard):
+        keras.utils.set_random_seed(0)
+        model = user_transformer()
+        with caplog.at_level(logging.INFO):
+            caplog.clear()
+            made = tfpar.Trainer(model, adamw(), loss, **shard)
+        said = [r.getMessage() for r in caplog.records if "laid out on 'batch'" in r.getMessage()]
+        assert len(said) == 1, said
+        return made, said[0]
+
+    made, line = trainer()
+    assert "3 weight(s) laid out on 'batch'" in line
+    if replicas == 1:
+        assert made._sharded is None and "nothing to partition" in line
+    else:
+        assert made._sharded.mode == "gradients"
+        assert f"optimizer state and gradients (ZeRO-2) partitioned over the {replicas} replicas" in line
+    made.fit(tokens(), steps=STEPS)
+    assert_equal(made.model.get_weights(), reference.get_weights())
+    if replicas > 1:
+        whole, _ = trainer(shard="none")
+        assert whole._sharded is None
+        partitioned, kept = adam_moment_bytes(made), adam_moment_bytes(whole)
+        assert len(partitioned) == devices and set(partitioned) == set(kept)
+        padding = len(made.model.trainable_variables) * 2 * 4 * (replicas - 1)  # 2 moments, < R floats each
+        for device, held in partitioned.items():  # 1/R, up to each variable's padding to R chunks
+            assert kept[device] / replicas <= held <= kept[device] / replicas + padding, (device, held)
+
+
+@pytest.mark.slow  # traces fit and evaluate of a split model: ~10 s
+def test_model_fit_says_it_keeps_the_batch_axis_weights_state_whole(caplog):
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], keras.distribution.list_devices()[:4])
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=fsdp_map(mesh),
+                                                                         batch_dim_name="batch"))
+    model = user_transformer()
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), optimizer="adamw")
+    with caplog.at_level(logging.INFO):
+        model.fit(tokens(1), epochs=1, verbose=0)
+        model.evaluate(tokens(1), verbose=0)
+    said = [r.getMessage() for r in caplog.records if "laid out on 'batch'" in r.getMessage()]
+    assert len(said) == 1 and "under model.fit (the same numbers, not partitioned)" in said[0], said
+    assert "tfpar.Trainer partitions them (ZeRO-2)" in said[0]
 
 
 # -- what cannot be honoured is refused by name ------------------------------------------------

@@ -46,7 +46,7 @@ def _add_weight(original):
     @functools.wraps(original)
     def add_weight(layer, *args, **kwargs):
         plan = current_plan()
-        if plan is None or plan.degree == 1 or plan.splits is None:
+        if plan is None or plan.splits is None:  # degree 1 too: the map is read (batch-axis entries, refusals)
             return original(layer, *args, **kwargs)
         return splitting.weight_maker(plan.layout, plan.splits.decide)(original, layer, *args, **kwargs)
     return add_weight

@@ -26,17 +26,25 @@ Example:
 from __future__ import annotations
 
 import tensorflow as tf
+from absl import logging
 
 from tfpar.strategy import private_api
 from tfpar.tensor_parallel import layout_of, shard_slots
 from tfpar.tensor_parallel.data import gather_group_batch
 
 PREPARED = "_tfpar_keras_trainer_prepared"
+SAID = "_tfpar_start_line_said"
 
 
 def prepare_or_refuse(model):
     """Fix 3's check (tfpar.strategy.trainer_fixes): a split model of a tfpar-run
-    keras.distribution is prepared for Keras's trainer; anything else is not this check's."""
+    keras.distribution is prepared for Keras's trainer; anything else is not this check's.
+    A model of a tfpar-run distribution gets its start line said once (the plan; what
+    becomes of weights laid out on the batch axis: fit keeps their state whole)."""
+    plan = getattr(model.distribute_strategy, "_tfpar_plan", None)
+    if plan is not None and not getattr(model, SAID, False):
+        logging.info("tfpar: %s", plan.start_line(model, None, how="model.fit"))
+        object.__setattr__(model, SAID, True)
     layout = layout_of(model)
     if layout is None or getattr(layout.strategy, "_tfpar_plan", None) is None:
         return None

@@ -11,7 +11,10 @@ its tensor-parallel layout.
   read by tfpar.tensor_parallel.layout_map.
 
 A plan is made once per distribution object (kept on it) and its strategy once: creating
-the first variable, or calling fit, makes it.
+the first variable, or calling fit, makes it. Weights the layout map lays out on the batch
+axis (FSDP-style, as keras-hub's maps do) stay whole and tfpar.Trainer partitions their
+optimizer state and gradients over the data-parallel replicas (ZeRO-2, `shard_for`); one
+line at start says so (`start_line`), under model.fit too, which does not partition them.
 
 Example:
     >>> mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], keras.distribution.list_devices())
@@ -78,11 +81,55 @@ class Plan:
             self._layout = Layout.of(self.strategy, self.degree)
         return self._layout
 
+    @property
+    def data_parallel(self) -> int:
+        """R: the size of the batch axis (the replicas that share each shard)."""
+        return len(self.devices) // self.degree
+
+    def batch_weights(self, model) -> list:
+        """`model`'s trainable weights the layout map lays out on the batch axis."""
+        paths = set(self.splits.on_batch) if self.splits is not None else set()
+        return [v for v in model.trainable_variables if v.path in paths]
+
+    def shard_for(self, model, asked=None):
+        """The Trainer's `shard` for `model`: `asked` if given; else, where the layout map
+        lays weights on the batch axis over R > 1 replicas (keras-hub's maps, FSDP-style),
+        "gradients": ZeRO-2 partitions of their optimizer state and gradients over the
+        data-parallel group, the weights whole (the same numbers); else "none". tfpar's
+        ZeRO partitions every trainable weight of the model, which the map's batch-axis
+        ones are among: a partitioned weight costs the wire what an all-reduced one does
+        (a reduce-scatter and an all-gather), so partitioning the others too saves their
+        memory for nothing."""
+        if asked is not None:
+            return asked
+        return "gradients" if self.batch_weights(model) and self.data_parallel > 1 else "none"
+
+    def start_line(self, model, shard: str | None, how: str = "tfpar.Trainer") -> str:
+        """The one line said at start: the plan, and what becomes of the weights the map
+        lays out on the batch axis under `how` with `shard` (None: not partitioned)."""
+        line = self.describe()
+        on_batch = self.batch_weights(model)
+        if not on_batch:
+            return line
+        count = f"{len(on_batch)} weight(s) laid out on {self.batch_axis!r}"
+        mode = str(getattr(shard, "mode", shard))
+        if mode in ("optimizer", "gradients"):
+            what = {"optimizer": "their optimizer state (ZeRO-1)",
+                    "gradients": "their optimizer state and gradients (ZeRO-2)"}[mode]
+            return (f"{line}; {count}: whole weights, {what} partitioned over the "
+                    f"{self.data_parallel} replicas of {self.batch_axis!r} (as every trainable weight's)")
+        if self.data_parallel == 1:
+            return f"{line}; {count}: whole (one replica on {self.batch_axis!r}: nothing to partition)"
+        fix = ("tfpar.Trainer partitions them (ZeRO-2)" if how != "tfpar.Trainer"
+               else "leave shard at its default or pass 'gradients' to partition them")
+        return (f"{line}; {count}: whole weights and whole optimizer state on every replica under "
+                f"{how} (the same numbers, not partitioned): {fix}")
+
     def describe(self) -> str:
         kind = type(self.distribution).__name__
         line = f"keras.distribution.{kind} on {len(self.devices)} device(s)"
         if self.degree > 1:
-            line += f", {self.batch_axis} x {self.model_axis} = {len(self.devices) // self.degree} x {self.degree}"
+            line += f", {self.batch_axis} x {self.model_axis} = {self.data_parallel} x {self.degree}"
         return line + (f"; {self.splits.describe()}" if self.splits is not None and self.degree > 1 else "")
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from tfpar.tensor_parallel import styles
+
 
 class ForwardBackward:
     """`(x, y, w, loss_scale) -> (loss, gradients of loss x loss_scale)` on one replica.
@@ -62,6 +64,8 @@ class ForwardBackward:
             tape.watch(trainable)
             y_pred, non_trainable, regularization = self.model.stateless_call(
                 trainable, non_trainable, x, training=True, return_losses=True)
+            if styles.marks_in_graph():  # a split model ending column-parallel: `stateless_call`
+                y_pred = styles.leaving(self.model, y_pred)  # runs `call`, not `__call__`, which gathers
             loss = self.replica_loss(y_pred, y, w, regularization)
             scaled = loss * loss_scale  # fp16: times the dynamic loss scale
         return loss, tape.gradient(scaled, trainable), non_trainable

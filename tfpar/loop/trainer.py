@@ -27,6 +27,7 @@ from typing import Sequence
 
 import keras
 import tensorflow as tf
+from absl import logging
 
 from tfpar import evaluation, tensor_parallel, zero
 from tfpar.aggregation import GradientAggregator
@@ -109,12 +110,15 @@ class Trainer:
         and skip see NaN in any one replica's own gradients even where the compressed sum
         is finite (a held 1-bit Adam step, an unsent top-k entry): one scalar all-reduce
         a step, as DeepSpeed's overflow check.
-      shard: "none" (default), "optimizer" (ZeRO-1) or "gradients" (ZeRO-2), or a
+      shard: "none", "optimizer" (ZeRO-1) or "gradients" (ZeRO-2), or a
         tfpar.zero.update.ZeroUpdate: each replica keeps and updates 1/R of the
         optimizer state (with "gradients" also 1/R of the accumulated gradients), the same
         update as Keras's optimizer (see tfpar.zero.update). Its optimizer state is
         checkpointed as `checkpoint_items()["optimizer"]`, in Keras's layout; the optimizer
         object passed in saves, restores and loads the same state (tfpar.zero.own_optimizer).
+        None (default): "none", except for a model built under a keras.distribution whose
+        layout map lays weights on the batch axis over several replicas: "gradients"
+        (tfpar.distribution.Plan.shard_for); a line at start says which.
       xla: jit-compile forward + backward (default on). The compiled function is pure:
         it takes the variables' values as tensors (Keras `stateless_call`), which is what
         lets XLA run under MirroredStrategy too (a compiled function that captures mirrored
@@ -127,7 +131,7 @@ class Trainer:
                  aggregator: GradientAggregator | None = None,
                  compression: Compressor | Compression | None = None, placement=None,
                  nonfinite: str = "stop", xla: bool | None = None, sum_sparse_rows: bool = True,
-                 shard: str | zero.ZeroUpdate = "none"):
+                 shard: str | zero.ZeroUpdate | None = None):
         self.model, self.optimizer, self.loss = model, optimizer, loss
         # the strategy given, else the one the model was built under (its scope, or a
         # keras.distribution that tfpar runs), else the one in scope
@@ -144,7 +148,7 @@ class Trainer:
         keras_fixes.apply_and_report()  # accumulation and EMA under mirrored need fix 4
         self.aggregator = aggregator_for(self.strategy, aggregator, compression, model)
         self._tensor_layout = tensor_parallel_layout(model)  # None: the model is not split
-        self._sharded = zero.zero_update(shard)
+        self._sharded = zero.zero_update(_shard_of(model, self.strategy, shard))
         if self._sharded is not None and self._tensor_layout is not None:
             # ZeRO over each data-parallel group of the split model (tfpar.zero.update): its
             # update sums the gradients; the tensor-parallel aggregator only checks the optimizer
@@ -456,3 +460,14 @@ class Trainer:
         """(type, name) of every collective op in one traced train step, nested functions
         included: the evidence that gradients cross the wire once, in the aggregator."""
         return [(c.type, c.name) for c in accounting.collectives(self.traced_step(dataset))]
+
+
+def _shard_of(model, strategy, asked):
+    """The shard mode: `asked`, or what the model's keras.distribution plan gives (said in
+    one line at start; "none" without a plan)."""
+    plan = getattr(strategy, "_tfpar_plan", None)
+    if plan is None:
+        return "none" if asked is None else asked
+    shard = plan.shard_for(model, asked)
+    logging.info("tfpar: %s", plan.start_line(model, shard))
+    return shard

@@ -7,8 +7,9 @@ On a 2-D mesh (batch x model) tfpar reads it so:
   model axis (tfpar.tensor_parallel.splitting); the layer then computes with it
   (tfpar.tensor_parallel.styles: column-, row- or vocabulary-parallel, by the dimension);
 - a dimension on the batch axis (keras-hub's maps put some there, FSDP-style): the weight
-  stays whole, the same numbers; in tfpar's loop its optimizer state is partitioned over
-  the data-parallel replicas (ZeRO: `Trainer(shard=...)`); noted, and said once at start;
+  stays whole, the same numbers; tfpar.Trainer partitions its optimizer state and
+  gradients over the data-parallel replicas (ZeRO-2 by default under a keras.distribution,
+  tfpar.distribution.Plan.shard_for); noted here, and said once at start;
 - None: whole on every device.
 
 What cannot be honoured is refused by name, with the variable, its layout and why: an axis
@@ -22,7 +23,7 @@ Example:
     >>> with split_weights(layout, reading.decide):
     ...     model = build()
     >>> reading.describe()
-    'split over model (2): 6 weights; laid out on batch (kept whole, ZeRO in tfpar.Trainer): 1'
+    'split over model (2): 6 weights; laid out on batch (whole weights): 1'
 """
 
 from __future__ import annotations
@@ -103,6 +104,5 @@ class LayoutMapSplits:
         """One line: what is split, what is laid out on the batch axis."""
         line = f"split over {self.model_axis} ({self.degree}): {len(self.split)} weights"
         if self.on_batch:
-            line += (f"; laid out on {self.batch_axis} (kept whole, the same numbers; in tfpar.Trainer "
-                     f"their optimizer state is partitioned, ZeRO): {len(self.on_batch)}")
+            line += f"; laid out on {self.batch_axis} (whole weights): {len(self.on_batch)}"
         return line
