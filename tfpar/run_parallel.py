@@ -120,7 +120,12 @@ def _split_by_layout_map(config, data_info: dict):
     splits = LayoutMapSplits(layout_map_for(config.model_args.backbone, mesh), "batch", "model", degree)
     with tensor_parallel.split_weights(tensor_parallel.Layout.of(strategy, degree), splits.decide):
         model = recipes.build_model(config, data_info)
-    model.tfpar_parallel_line = splits.describe()
+    line = splits.describe()
+    if splits.on_batch and replicas > degree:  # keras-hub's maps lay kernels on "batch" too (FSDP-style)
+        shard = config.parallel.shard
+        line += (f"; their optimizer state partitioned (parallel.shard={shard})" if shard != "none" else
+                 "; their optimizer state whole: --config.parallel.shard=gradients partitions it (ZeRO-2)")
+    model.tfpar_parallel_line = line
     return model
 
 
