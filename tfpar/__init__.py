@@ -43,7 +43,7 @@ __all__ = [
 
 
 _SUBPACKAGES = ("compression", "controller", "data", "distribution", "evaluation", "launch", "loop", "models",
-                "placement", "recipes", "strategy", "tensor_parallel", "zero")
+                "placement", "recipes", "strategy", "sync", "tensor_parallel", "zero")
 
 
 def __getattr__(name):

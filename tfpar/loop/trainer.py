@@ -72,6 +72,21 @@ class _RunningMean:
         return self.value
 
 
+def _check_sync(sync, trainer) -> None:
+    """Refuses, by name, what DiLoCo does not compose with (yet)."""
+    from tfpar.sync import SyncError  # pylint: disable=import-outside-toplevel
+
+    others = {"parameter_server": trainer._async is not None, "shard": trainer._sharded is not None,
+              "placement (a pipeline)": trainer.placement is not None,
+              "a tensor-parallel model": trainer._tensor_layout is not None,
+              "compression or an aggregator": type(trainer.aggregator).__name__ != "AllReduce"}
+    found = [name for name, present in others.items() if present]
+    if found:
+        raise SyncError(f"{sync!r} with {', '.join(found)}: DiLoCo's replicas train their own copies "
+                        "and exchange weights every inner_steps steps; combining it with that is not "
+                        "built. Use one of them.")
+
+
 def _check_optimizer_strategy(optimizer, strategy: tf.distribute.Strategy) -> None:
     """Refuses an optimizer made under another strategy than the Trainer's (Keras's own
     error comes from deep inside `build`: "Mixing different tf.distribute.Strategy")."""
@@ -119,6 +134,10 @@ class Trainer:
         None (default): "none", except for a model built under a keras.distribution whose
         layout map lays weights on the batch axis over several replicas: "gradients"
         (tfpar.distribution.Plan.shard_for); a line at start says which.
+      sync: a tfpar.sync.DiLoCo: each replica takes `inner_steps` steps of `optimizer` on
+        its own batches with no all-reduce, then the replicas average their deltas and an
+        outer optimizer updates the shared weights (see tfpar.sync.diloco). Its anchor and
+        outer optimizer are in `checkpoint_items()`.
       xla: jit-compile forward + backward (default on). The compiled function is pure:
         it takes the variables' values as tensors (Keras `stateless_call`), which is what
         lets XLA run under MirroredStrategy too (a compiled function that captures mirrored
@@ -131,7 +150,7 @@ class Trainer:
                  aggregator: GradientAggregator | None = None,
                  compression: Compressor | Compression | None = None, placement=None,
                  nonfinite: str = "stop", xla: bool | None = None, sum_sparse_rows: bool = True,
-                 shard: str | zero.ZeroUpdate | None = None):
+                 shard: str | zero.ZeroUpdate | None = None, sync=None):
         self.model, self.optimizer, self.loss = model, optimizer, loss
         # the strategy given, else the one the model was built under (its scope, or a
         # keras.distribution that tfpar runs), else the one in scope
@@ -162,6 +181,9 @@ class Trainer:
         if placement is not None:  # before a coordinator starts: refused early
             check_placement(model, self.strategy, placement)
         self._async = parameter_server.AsyncSteps(self.strategy) if is_async else None
+        self._sync = sync
+        if sync is not None:
+            _check_sync(sync, self)
         # XLA is off with a pipeline (the step spans devices) and with tensor parallelism
         # (the layers' collectives run inside forward and backward)
         self.xla = ((True if xla is None else bool(xla)) and placement is None
@@ -183,6 +205,8 @@ class Trainer:
                 synchronization=tf.VariableSynchronization.ON_READ,
                 aggregation=tf.VariableAggregation.SUM)
             self._guard = None if self._async else NonFiniteGuard(nonfinite)
+        if sync is not None:
+            sync.build(self.strategy, model.trainable_variables)
         # a TP group's replicas share one batch: dealt so by tfpar's data (the first step
         # checks it), or, under a keras.distribution (Keras's dealing), gathered every step
         self._gathers_batches = self._tensor_layout is not None and getattr(
@@ -241,7 +265,10 @@ class Trainer:
         scale = self._loss_scale() if self._loss_scaled else None
         if scale is not None:  # fp16: the aggregator sees (and keeps state in) true units
             summed = [_scaled(g, 1.0 / scale) for g in summed]
-        summed = self._aggregate(summed, variables)
+        if self._sync is None:
+            summed = self._aggregate(summed, variables)
+        else:  # DiLoCo: each replica steps on its own gradient (no all-reduce)
+            summed = self._sync.local_gradients(summed, self.strategy.num_replicas_in_sync)
         if self.sum_sparse_rows:  # Adam & co. need a sparse gradient's rows summed first
             summed = [keras_fixes.sum_repeated_rows(g) for g in summed]
         if scale is not None:  # the LossScaleOptimizer divides by it (exactly: a power of 2)
@@ -313,6 +340,8 @@ class Trainer:
         """Trackables the Trainer adds to checkpoints (compression state), by name; with
         `shard`, also 'optimizer': the sharded optimizer state, in place of the optimizer."""
         items = self.aggregator.checkpoint_items()
+        if self._sync is not None:
+            items = {**items, **self._sync.checkpoint_items()}
         return items if self._sharded is None else {**items, **self._sharded.checkpoint_items()}
 
     def traced_step(self, dataset, phase=None):
@@ -345,7 +374,8 @@ class Trainer:
     def _chunks(self, start: int, end: int) -> list[int]:
         """Step counts per tf.function call: steps_per_loop, cut at phase boundaries (with a
         controller, `fit` takes the controller's plan instead, cut at its intervals too)."""
-        cuts = sorted({*range(start, end, self.steps_per_loop), end,
+        rounds = self._sync.round_ends(start, end) if self._sync is not None else ()
+        cuts = sorted({*range(start, end, self.steps_per_loop), end, *rounds,
                        *(b for b in self._boundaries() if start < b < end)})
         return [b - a for a, b in zip(cuts, cuts[1:])]
 
@@ -369,7 +399,10 @@ class Trainer:
         """
         if not self._async:
             for n in sizes:
-                on_chunk(n, self.train_steps(iterator, n))
+                loss = self.train_steps(iterator, n)
+                if self._sync is not None and self._sync.is_round_end(self.step):
+                    self._sync.outer_step()  # before the chunk's callbacks (checkpoints)
+                on_chunk(n, loss)
             return
 
         def done(n: int, loss: float) -> None:

@@ -1,0 +1,140 @@
+"""DiLoCo (tfpar.sync.DiLoCo): local inner steps, an outer optimizer on the averaged delta.
+
+On 2 logical CPUs (mirrored): with H = 1, inner SGD and an outer SGD of learning rate 1
+without momentum it is synchronous data-parallel SGD; with H > 1 each replica's weights
+at the end of a round are a one-device run on that replica's own batches, and the new
+shared weights are the outer optimizer applied to the mean of the replicas' deltas.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpar
+from scripts import fit_model
+from tfpar.loop import Trainer
+from tfpar.sync import DiLoCo, SyncError
+from tfpar.tensor_parallel import shards
+
+TOL = 1e-6
+
+
+def crossentropy():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def mirrored(replicas):
+    return tfpar.create_strategy("mirrored", devices=[f"/cpu:{i}" for i in range(replicas)])
+
+
+def trainer_for(strategy, weights, inner, sync=None, **options):
+    with strategy.scope():
+        model = fit_model.build_model()
+        model.set_weights(weights)
+        optimizer = inner()
+    return model, Trainer(model, optimizer, crossentropy(), strategy=strategy, sync=sync, xla=False, **options)
+
+
+def global_batches(steps):
+    x, y = fit_model.data(steps)
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(fit_model.GLOBAL_BATCH)
+
+
+def replica_batches(replica, replicas, steps):
+    """The rows replica `replica` of `replicas` gets of each global batch (a plain dataset
+    distributed by the strategy: each replica a contiguous slice)."""
+    x, y = fit_model.data(steps)
+    rows = fit_model.GLOBAL_BATCH // replicas
+    pick = np.concatenate([np.arange(s * fit_model.GLOBAL_BATCH + replica * rows,
+                                     s * fit_model.GLOBAL_BATCH + (replica + 1) * rows) for s in range(steps)])
+    return tf.data.Dataset.from_tensor_slices((x[pick], y[pick])).batch(rows)
+
+
+def assert_close(actual, expected, tol=TOL):
+    for a, e in zip(actual, expected):
+        np.testing.assert_allclose(a, e, rtol=tol, atol=tol)
+
+
+def sgd():
+    return keras.optimizers.SGD(0.1)
+
+
+def test_one_inner_step_with_a_plain_outer_sgd_is_synchronous_data_parallel_sgd():
+    weights = fit_model.initial_weights()
+    strategy = mirrored(2)
+    plain, trainer = trainer_for(strategy, weights, sgd)
+    trainer.fit(global_batches(4), steps=4)
+    outer = keras.optimizers.SGD(1.0)
+    model, trainer = trainer_for(strategy, weights, sgd, sync=DiLoCo(inner_steps=1, outer_optimizer=outer))
+    trainer.fit(global_batches(4), steps=4)
+    moved = max(np.abs(a - b).max() for a, b in zip(plain.get_weights(), weights))
+    assert moved > 1e-2
+    assert_close(model.get_weights(), plain.get_weights())
+
+
+@pytest.mark.parametrize("inner", [sgd, lambda: keras.optimizers.AdamW(  # epsilon 1e-3: see tests/test_matrix.py
+    0.01, weight_decay=0.1, global_clipnorm=1.0, epsilon=1e-3)],
+                         ids=["sgd", "adamw_clip"])
+def test_a_round_is_each_replica_on_its_own_batches_then_the_outer_step_on_the_mean_delta(inner):
+    """H = 3: the shared weights after the round are Nesterov SGD(0.7, 0.9) applied, from
+    the round's start, to the mean over replicas of (start - that replica's weights after 3
+    one-device steps on its own batches); the next round starts from them (6 steps)."""
+    weights = fit_model.initial_weights()
+    strategy = mirrored(2)
+    model, trainer = trainer_for(strategy, weights, inner, sync=DiLoCo(inner_steps=3))
+    trainer.fit(global_batches(6), steps=6)
+
+    anchor = [tf.Variable(w) for w in weights]
+    outer = keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)
+    inner_states = []
+    for replica in range(2):  # each replica's own optimizer, kept across rounds
+        local = fit_model.build_model()
+        local.set_weights(weights)
+        inner_states.append((local, inner()))
+    for round_ in range(2):
+        deltas = []
+        for replica, (local, optimizer) in enumerate(inner_states):
+            local.set_weights([a.numpy() for a in anchor])
+            for x, y in replica_batches(replica, 2, 6).skip(3 * round_).take(3):
+                with tf.GradientTape() as tape:
+                    loss = crossentropy()(y, local(x))
+                optimizer.apply(tape.gradient(loss, local.trainable_variables), local.trainable_variables)
+            deltas.append([a.numpy() - w for a, w in zip(anchor, local.get_weights())])
+        outer.apply([np.mean([d[i] for d in deltas], axis=0) for i in range(len(anchor))], anchor)
+    expected = [a.numpy() for a in anchor]
+    assert max(np.abs(a - b).max() for a, b in zip(expected, weights)) > 1e-2
+    assert_close(model.get_weights(), expected, tol=1e-5)
+    for variable in model.trainable_variables:  # every replica starts the next round from them
+        copies = [c.numpy() for _, c in shards.copies(variable)]
+        assert len(copies) == 2
+        np.testing.assert_array_equal(copies[0], copies[1])
+
+
+def test_no_collective_in_the_inner_steps_and_one_all_reduce_of_the_weights_per_round():
+    """Counted from the traced graphs: the inner step has none (synchronous data
+    parallelism's has its all-reduce and the embedding rows' gathers); the outer step
+    all-reduces every weight once (both replicas' launches counted)."""
+    from tfpar.compression import accounting
+
+    strategy = mirrored(2)
+    dataset = strategy.experimental_distribute_dataset(global_batches(2))
+    model, plain = trainer_for(strategy, fit_model.initial_weights(), sgd)
+    weight_bytes = sum(int(np.prod(w.shape)) * 4 for w in model.trainable_weights)
+    assert accounting.collectives(plain.traced_step(dataset))  # the count sees them
+    sync = DiLoCo(inner_steps=2)
+    _, trainer = trainer_for(strategy, fit_model.initial_weights(), sgd, sync=sync)
+    assert accounting.collectives(trainer.traced_step(dataset)) == []
+    outer = [c for c in accounting.collectives(sync._outer_step.get_concrete_function())  # pylint: disable=protected-access
+             if c.type == "CollectiveReduceV2"]
+    assert sum(c.bytes for c in outer) == 2 * weight_bytes
+
+
+def test_bad_settings_and_combinations_are_refused_by_name():
+    with pytest.raises(SyncError, match="inner_steps=0: give the number of local steps"):
+        DiLoCo(inner_steps=0)
+    with pytest.raises(SyncError, match=r"DiLoCo\(inner_steps=2\) with shard: .* Use one of them"):
+        trainer_for(mirrored(2), fit_model.initial_weights(), sgd, sync=DiLoCo(inner_steps=2), shard="optimizer")
+    with pytest.raises(SyncError, match="with compression or an aggregator"):
+        trainer_for(mirrored(2), fit_model.initial_weights(), sgd, sync=DiLoCo(inner_steps=2),
+                    compression=tfpar.compression.FP16())

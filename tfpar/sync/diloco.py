@@ -1,0 +1,129 @@
+"""DiLoCo (Douillard et al., 2023): local inner steps, then an outer step on the averaged delta.
+
+Every replica trains its own copy of the model for `inner_steps` (H) steps with the user's
+own Keras optimizer on its own batches, exchanging nothing. At the end of a round the
+replicas average their outer gradient, `anchor - weights` (the anchor: the shared weights
+at the start of the round), and an outer optimizer (Nesterov SGD, the paper's learning
+rate 0.7 and momentum 0.9, by default) applies it to the anchor; every replica then starts
+the next round from the new anchor. One all-reduce of the weights every H steps replaces
+one of the gradients every step.
+
+How it runs on TensorFlow's own runtime: a MirroredVariable holds one copy per replica.
+tfpar's loop hands the optimizer each replica's own gradient (no all-reduce), and Keras's
+update writes each copy from its own replica's gradient (`strategy.extended.update` with
+per-replica arguments), so the copies drift apart during a round, each one its replica's
+model; the outer step reads them in a replica context, averages the deltas with the
+strategy's all-reduce, updates the anchor in the cross-replica context and writes it to
+every copy.
+
+Example:
+    >>> sync = DiLoCo(inner_steps=25)      # outer: SGD(0.7, momentum 0.9, nesterov)
+    >>> trainer = tfpar.Trainer(model, keras.optimizers.AdamW(1e-3), loss, strategy=strategy, sync=sync)
+    >>> trainer.fit(data, steps=600)       # 24 rounds: 24 all-reduces of the weights
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import keras
+import tensorflow as tf
+
+from tfpar.errors import TfparError
+from tfpar.strategy import private_api
+
+
+class SyncError(TfparError, ValueError):
+    """A DiLoCo setting or combination that cannot run; the message names the fix."""
+
+
+def default_outer_optimizer() -> keras.optimizers.Optimizer:
+    """The paper's outer optimizer: SGD, learning rate 0.7, Nesterov momentum 0.9."""
+    return keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)
+
+
+class DiLoCo:
+    """Local steps with an outer optimizer (see the module docstring).
+
+    Args:
+      inner_steps: H, the optimizer steps each replica takes on its own between two outer
+        steps (>= 1).
+      outer_optimizer: a Keras optimizer for the anchor (default: `default_outer_optimizer`);
+        made fresh for this DiLoCo (it is built on the anchor's variables).
+    """
+
+    def __init__(self, inner_steps: int, outer_optimizer: keras.optimizers.Optimizer | None = None):
+        if int(inner_steps) != inner_steps or inner_steps < 1:
+            raise SyncError(f"DiLoCo inner_steps={inner_steps!r}: give the number of local steps "
+                            "per round, an integer >= 1 (the paper: 500; over a slow link 10-50).")
+        self.inner_steps = int(inner_steps)
+        self._outer_given = outer_optimizer
+        self.outer_optimizer: keras.optimizers.Optimizer | None = None
+        self.strategy: tf.distribute.Strategy | None = None
+        self.anchors: list[tf.Variable] = []
+        self._variables: list = []
+        self._outer_step = None
+
+    def __repr__(self) -> str:
+        return f"DiLoCo(inner_steps={self.inner_steps})"
+
+    # -- the Trainer's side ----------------------------------------------------------
+
+    def build(self, strategy: tf.distribute.Strategy, variables: Sequence[tf.Variable]) -> None:
+        """The anchor (a copy of each trainable variable) and the outer optimizer, under
+        `strategy.scope()`."""
+        self.strategy, self._variables = strategy, list(variables)
+        with strategy.scope():
+            self.anchors = [keras.Variable(tf.convert_to_tensor(v), trainable=False, name=f"diloco_anchor_{i}")
+                            for i, v in enumerate(self._variables)]  # Keras's: the outer optimizer's
+            self.outer_optimizer = self._outer_given or default_outer_optimizer()
+            self.outer_optimizer.build(self.anchors)
+        self._outer_step = tf.function(self._outer_step_fn)
+
+    def local_gradients(self, gradients: Sequence, replicas: int) -> list:
+        """This replica's own gradient of its own batch's mean loss (replica context): the
+        loop's gradients are of the global batch's mean (divided by the replicas), and are
+        not summed across replicas."""
+        return [None if g is None else g * tf.cast(replicas, g.dtype) if not isinstance(g, tf.IndexedSlices)
+                else tf.IndexedSlices(g.values * tf.cast(replicas, g.values.dtype), g.indices, g.dense_shape)
+                for g in gradients]
+
+    def round_ends(self, start: int, end: int) -> list[int]:
+        """The steps in (start, end) at which a round ends (the loop cuts its calls there)."""
+        first = (start // self.inner_steps + 1) * self.inner_steps
+        return list(range(first, end, self.inner_steps))
+
+    def is_round_end(self, step: int) -> bool:
+        return step > 0 and step % self.inner_steps == 0
+
+    def outer_step(self) -> None:
+        """Averages the replicas' deltas, applies the outer optimizer to the anchor and
+        gives every replica the new anchor."""
+        self._outer_step()
+
+    def checkpoint_items(self) -> dict:
+        """The anchor and the outer optimizer, by name (tfpar's checkpoints save at round ends)."""
+        return {"diloco_anchor": _Anchor(self.anchors), "diloco_outer_optimizer": self.outer_optimizer}
+
+    # -- the outer step --------------------------------------------------------------
+
+    def _outer_step_fn(self):
+        strategy, variables, anchors = self.strategy, self._variables, self.anchors
+
+        def outer_update():  # replica context: this replica's copy of each weight
+            deltas = [tf.convert_to_tensor(a) - tf.convert_to_tensor(v) for a, v in zip(anchors, variables)]
+            mean = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.MEAN, deltas)
+            self.outer_optimizer.apply(mean, anchors)  # the same mean on every replica's copy
+
+        with private_api.trainer_step(self.outer_optimizer):  # summed already: no second all-reduce
+            strategy.run(outer_update)
+        for variable, anchor in zip(variables, anchors):
+            variable.assign(anchor)  # cross-replica: every copy
+
+
+class _Anchor(tf.Module):
+    """The anchor's variables as one checkpointable object."""
+
+    def __init__(self, anchors):
+        super().__init__(name="diloco_anchor")
+        self.variables_list = list(anchors)
