@@ -138,3 +138,33 @@ def test_bad_settings_and_combinations_are_refused_by_name():
     with pytest.raises(SyncError, match="with compression or an aggregator"):
         trainer_for(mirrored(2), fit_model.initial_weights(), sgd, sync=DiLoCo(inner_steps=2),
                     compression=tfpar.compression.FP16())
+
+
+@pytest.mark.parametrize("stop", [4, 6], ids=["mid_round", "round_end"])
+def test_a_run_stopped_mid_round_resumes_onto_the_uninterrupted_run(tmp_path, stop):
+    """H = 3, AdamW: stopped at step 4 (mid-round: the replicas' weights and moments differ)
+    or 6, saved by tfpar's Checkpoints, restored into a new Trainer, trained to step 9: the
+    uninterrupted run's weights, every replica's copy (1e-6)."""
+    from tfpar.checkpoints import Checkpoints
+
+    weights = fit_model.initial_weights()
+    strategy = mirrored(2)
+    adamw = lambda: keras.optimizers.AdamW(0.01, epsilon=1e-3)  # noqa: E731
+
+    def run(start, end, workdir=None):
+        model, trainer = trainer_for(strategy, weights, adamw, sync=DiLoCo(inner_steps=3))
+        checkpoints = None if workdir is None else Checkpoints(
+            str(workdir), True, model=model, optimizer=trainer.optimizer, **trainer.checkpoint_items())
+        if checkpoints is not None and start:
+            assert checkpoints.restore() == start
+        trainer.fit(global_batches(9).skip(start), steps=end, start_step=start)
+        if checkpoints is not None:
+            checkpoints.save(end)
+        return model
+
+    whole = run(0, 9)
+    run(0, stop, tmp_path)
+    resumed = run(stop, 9, tmp_path)
+    for a, b in zip(resumed.trainable_variables, whole.trainable_variables):
+        for (_, x), (_, y) in zip(shards.copies(a), shards.copies(b)):
+            np.testing.assert_allclose(x.numpy(), y.numpy(), rtol=TOL, atol=TOL, err_msg=a.path)

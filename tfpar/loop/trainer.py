@@ -80,6 +80,10 @@ def _check_sync(sync, trainer) -> None:
               "placement (a pipeline)": trainer.placement is not None,
               "a tensor-parallel model": trainer._tensor_layout is not None,
               "compression or an aggregator": type(trainer.aggregator).__name__ != "AllReduce"}
+    from tfpar.strategy.replicas import spans_workers  # pylint: disable=import-outside-toplevel
+
+    others["several worker processes (each replica's copies are checkpointed in one process)"] = \
+        spans_workers(trainer.strategy)
     found = [name for name, present in others.items() if present]
     if found:
         raise SyncError(f"{sync!r} with {', '.join(found)}: DiLoCo's replicas train their own copies "
@@ -207,6 +211,8 @@ class Trainer:
             self._guard = None if self._async else NonFiniteGuard(nonfinite)
         if sync is not None:
             sync.build(self.strategy, model.trainable_variables)
+            sync.keep_replica_copies([*model.trainable_variables,
+                                      *(v for v in self.optimizer.variables if v is not self.optimizer.iterations)])
         # a TP group's replicas share one batch: dealt so by tfpar's data (the first step
         # checks it), or, under a keras.distribution (Keras's dealing), gathered every step
         self._gathers_batches = self._tensor_layout is not None and getattr(

@@ -80,6 +80,15 @@ class DiLoCo:
             self.outer_optimizer.build(self.anchors)
         self._outer_step = tf.function(self._outer_step_fn)
 
+    def keep_replica_copies(self, variables: Sequence) -> None:
+        """Checkpoints each replica's own copy of `variables` (the weights and the inner
+        optimizer's state differ between replicas during a round; the state differs across
+        rounds too): beside the value every restore reads (`VARIABLE_VALUE`, replica 0's,
+        so an unsplit model loads it), `REPLICA_COPIES` holds all the copies, restored each
+        into its replica. One process only, for now (refused under several workers)."""
+        for variable in variables:
+            _keep_copies(getattr(variable, "value", variable))
+
     def local_gradients(self, gradients: Sequence, replicas: int) -> list:
         """This replica's own gradient of its own batch's mean loss (replica context): the
         loop's gradients are of the global batch's mean (divided by the replicas), and are
@@ -119,6 +128,30 @@ class DiLoCo:
             strategy.run(outer_update)
         for variable, anchor in zip(variables, anchors):
             variable.assign(anchor)  # cross-replica: every copy
+
+
+REPLICA_COPIES = "REPLICA_COPIES"
+
+
+def _keep_copies(variable) -> None:
+    """Checkpoint hooks that save and restore every local copy of a mirrored variable."""
+    from tfpar.tensor_parallel.shards import copies  # pylint: disable=import-outside-toplevel
+
+    local = [c for _, c in copies(variable)]
+    if len(local) < 2:
+        return
+    host = tf.DeviceSpec.from_string(local[0].device).replace(device_type="CPU", device_index=0).to_string()
+
+    def serialize():  # computed only when written: a restore calls this too
+        return {"VARIABLE_VALUE": private_api.save_spec(lambda: local[0].read_value(), variable.dtype, host),
+                REPLICA_COPIES: private_api.save_spec(lambda: tf.stack([c.read_value() for c in local]),
+                                                      variable.dtype, host)}
+
+    def restore(restored: dict):
+        stacked = restored[REPLICA_COPIES]
+        return tf.group([copy.assign(stacked[r]) for r, copy in enumerate(local)])
+
+    private_api.set_checkpoint_hooks(variable, serialize, restore)
 
 
 class _Anchor(tf.Module):
