@@ -168,3 +168,26 @@ def test_a_run_stopped_mid_round_resumes_onto_the_uninterrupted_run(tmp_path, st
     for a, b in zip(resumed.trainable_variables, whole.trainable_variables):
         for (_, x), (_, y) in zip(shards.copies(a), shards.copies(b)):
             np.testing.assert_allclose(x.numpy(), y.numpy(), rtol=TOL, atol=TOL, err_msg=a.path)
+
+
+def test_evaluation_mid_round_reads_the_shared_weights_and_training_goes_on():
+    """At step 4 of rounds of 3 the replicas' copies differ; evaluate() scores the anchor
+    (the shared weights: an unsplit model holding them scores the same) and leaves each
+    replica its own copy."""
+    weights = fit_model.initial_weights()
+    strategy = mirrored(2)
+    model, trainer = trainer_for(strategy, weights, sgd, sync=DiLoCo(inner_steps=3))
+    trainer.fit(global_batches(4), steps=4)
+    before = [[c.numpy() for _, c in shards.copies(v)] for v in model.trainable_variables]
+    assert any(not np.array_equal(*pair) for pair in before)  # mid-round: the copies differ
+    x, y = fit_model.data(1)
+    data = tf.data.Dataset.from_tensor_slices((x, y, np.ones(len(y), "float32"))).batch(8)
+    got = trainer.evaluate(strategy.experimental_distribute_dataset(data), steps=2)
+    shared = fit_model.build_model()
+    shared.set_weights([a.numpy() for a in trainer._sync.anchors])  # pylint: disable=protected-access
+    expected = float(np.mean(keras.losses.sparse_categorical_crossentropy(y, shared(x), from_logits=True)))
+    np.testing.assert_allclose(got["loss"], expected, rtol=1e-5)
+    after = [[c.numpy() for _, c in shards.copies(v)] for v in model.trainable_variables]
+    for b, a in zip(before, after):
+        for u, v in zip(b, a):
+            np.testing.assert_array_equal(u, v)

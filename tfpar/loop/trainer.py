@@ -483,6 +483,12 @@ class Trainer:
         of (x, y, weight), reduced over all replicas (see tfpar.evaluation). Under
         parameter_server the chief evaluates on its own: `dataset` is then a plain one (or
         one distributed by the default strategy), the variables are read from the ps."""
+        if self._sync is not None:  # DiLoCo: the shared weights, not each replica's own
+            with self._sync.shared_weights():
+                return self._evaluate(dataset, steps)
+        return self._evaluate(dataset, steps)
+
+    def _evaluate(self, dataset, steps: int) -> dict:
         strategy = tf.distribute.get_strategy() if self._async else self.strategy
         local = not self._async and strategy.num_replicas_in_sync == 1  # XLA: variables here
         layout = self._tensor_layout

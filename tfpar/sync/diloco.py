@@ -24,7 +24,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import Iterator, Sequence
 
 import keras
 import tensorflow as tf
@@ -109,6 +110,22 @@ class DiLoCo:
         """Averages the replicas' deltas, applies the outer optimizer to the anchor and
         gives every replica the new anchor."""
         self._outer_step()
+
+    @contextlib.contextmanager
+    def shared_weights(self) -> Iterator[None]:
+        """Every replica's copy holds the shared (outer) weights, the anchor, inside; each
+        its own copy again after (evaluation and sampling read the shared model)."""
+        from tfpar.tensor_parallel.shards import copies  # pylint: disable=import-outside-toplevel
+
+        saved = [[(copy, copy.read_value()) for _, copy in copies(v)] for v in self._variables]
+        for variable, anchor in zip(self._variables, self.anchors):
+            variable.assign(anchor)
+        try:
+            yield
+        finally:
+            for pairs in saved:
+                for copy, value in pairs:
+                    copy.assign(value)
 
     def checkpoint_items(self) -> dict:
         """The anchor and the outer optimizer, by name (tfpar's checkpoints save at round ends)."""
