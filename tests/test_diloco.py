@@ -191,3 +191,56 @@ def test_evaluation_mid_round_reads_the_shared_weights_and_training_goes_on():
     for b, a in zip(before, after):
         for u, v in zip(b, a):
             np.testing.assert_array_equal(u, v)
+
+
+@pytest.mark.slow  # three binary runs on 4 replicas: about 3 minutes
+def test_the_binary_trains_with_parallel_sync_diloco_and_resumes_at_its_step(tmp_path):
+    """--config.parallel.sync=diloco --config.parallel.inner_steps=2 on 2 logical CPUs:
+    stopped at step 3 (mid-round) and resumed, it ends at step 6 on the uninterrupted run's
+    weights (1e-5); the progress line says DiLoCo."""
+    from tfpar.config import base_config
+    from tfpar.train import train_and_evaluate
+    from tfpar.config import validate
+
+    def config_for(steps):
+        config = base_config()
+        config.mode, config.strategy = "loop", "mirrored"  # 4 logical CPUs: 4 replicas
+        config.parallel.update(sync="diloco", inner_steps=2)
+        config.model_args.update(dim=32, depth=1, heads=4)
+        config.data.seq_len = 16
+        config.train.update(steps=steps, batch_size=8, steps_per_loop=1, log_every=1, checkpoint_every=3,
+                            eval_examples=16, eval_batch_size=8, xla=False)
+        config.optimizer.update(schedule="constant")  # a stopped run's schedule spans its own steps
+        config.sample.length = 0
+        validate(config)
+        return config
+
+    train_and_evaluate(config_for(6), str(tmp_path / "whole"))
+    train_and_evaluate(config_for(3), str(tmp_path / "resumed"))
+    train_and_evaluate(config_for(6), str(tmp_path / "resumed"))
+    a, b = (tf.train.load_checkpoint(tf.train.latest_checkpoint(str(tmp_path / d / "checkpoints")))
+            for d in ("whole", "resumed"))
+    names = sorted(n for n in a.get_variable_to_shape_map()
+                   if "save_counter" not in n and not n.startswith("_CHECKPOINTABLE"))
+    assert any("REPLICA_COPIES" in n for n in names) and any("diloco_anchor" in n for n in names), names
+    assert names == sorted(n for n in b.get_variable_to_shape_map()
+                           if "save_counter" not in n and not n.startswith("_CHECKPOINTABLE"))
+    for name in names:
+        np.testing.assert_allclose(b.get_tensor(name), a.get_tensor(name), rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_the_binary_refuses_what_diloco_does_not_compose_with():
+    from tfpar.config import base_config
+    from tfpar.errors import ConfigError
+    from tfpar.config import validate
+
+    for parallel, mode, message in [
+            (dict(sync="diloco", shard="optimizer"), "loop", "config.parallel.sync: diloco with shard is not built"),
+            (dict(sync="diloco"), "fit", "config.parallel.sync: DiLoCo runs in tfpar's loop"),
+            (dict(inner_steps=5), "loop", "config.parallel.inner_steps: applies to parallel.sync=diloco"),
+            (dict(sync="diloco", inner_steps=0), "loop", "config.parallel.inner_steps: must be a positive integer")]:
+        config = base_config()
+        config.mode = mode
+        config.parallel.update(**parallel)
+        with pytest.raises(ConfigError, match=message):
+            validate(config)

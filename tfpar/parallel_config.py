@@ -9,6 +9,10 @@ checks that refuse a combination at start, naming the key and the fix.
     parallel.remat         none | full | attention (recompute in the backward)
     parallel.tensor        tensor-parallel degree T (1: none)
     parallel.shard         none | optimizer | gradients (sharded optimizer state)
+    parallel.sync          none | diloco (local steps, then an outer step: tfpar.sync)
+    parallel.inner_steps   diloco: H, the local steps between two outer steps
+    parallel.outer_learning_rate, parallel.outer_momentum
+                           diloco: the outer Nesterov SGD (the paper's 0.7 and 0.9)
 
 Data parallelism is the strategy's: the replicas left after the pipeline's stages or the
 tensor-parallel groups train on different batches; across workers (multi_worker_mirrored)
@@ -30,6 +34,8 @@ BALANCES = ("params", "flops", "seconds")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 REMATS = ("none", "full", "attention")
 SHARDS = ("none", "optimizer", "gradients")
+SYNCS = ("none", "diloco")
+DILOCO_KEYS = ("inner_steps", "outer_learning_rate", "outer_momentum")
 SPLITTABLE_MODELS = ("gpt", "keras_hub")
 PIPELINE_KEYS = ("balance", "schedule", "microbatches", "chunks", "remat")
 
@@ -38,7 +44,7 @@ def parallel_block() -> ml_collections.ConfigDict:
     """The defaults: no pipeline, no tensor parallelism, no sharding (data parallel only)."""
     return ml_collections.ConfigDict(dict(
         stages=1, balance="flops", schedule="gpipe", microbatches=1, chunks=1, remat="none",
-        tensor=1, shard="none"))
+        tensor=1, shard="none", sync="none", inner_steps=1, outer_learning_rate=0.7, outer_momentum=0.9))
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -52,7 +58,8 @@ def validate_parallel(config) -> None:
     for key in ("stages", "microbatches", "chunks", "tensor"):
         _require(isinstance(p[key], int) and not isinstance(p[key], bool) and p[key] >= 1, key,
                  f"must be a positive integer (1: none), got {p[key]!r}.")
-    for key, allowed in (("balance", BALANCES), ("schedule", SCHEDULES), ("remat", REMATS), ("shard", SHARDS)):
+    for key, allowed in (("balance", BALANCES), ("schedule", SCHEDULES), ("remat", REMATS), ("shard", SHARDS),
+                         ("sync", SYNCS)):
         _require(p[key] in allowed, key, f"{p[key]!r} is not one of {', '.join(allowed)}.")
     _require(config.mode == "loop" or (p.stages == 1 and p.tensor == 1 and p.shard == "none"),
              _first_set(p), "pipelines, tensor parallelism and sharding run in tfpar's loop: add "
@@ -60,6 +67,7 @@ def validate_parallel(config) -> None:
     _validate_pipeline(config)
     _validate_tensor(config)
     _validate_shard(config)
+    _validate_sync(config)
 
 
 def _first_set(p) -> str:
@@ -143,6 +151,25 @@ def _validate_shard(config) -> None:
         check_shard(p.shard, _strategy_kind(config), config.compression, "pipeline" if p.stages > 1 else None)
     except ShardingError as error:
         _require(False, "shard", str(error))
+
+
+def _validate_sync(config) -> None:
+    p, defaults = config.parallel, parallel_block()
+    if p.sync == "none":
+        for key in DILOCO_KEYS:
+            _require(p[key] == defaults[key], key, "applies to parallel.sync=diloco: set it, or drop "
+                     f"{key}.")
+        return
+    _require(isinstance(p.inner_steps, int) and not isinstance(p.inner_steps, bool) and p.inner_steps >= 1,
+             "inner_steps", f"must be a positive integer (local steps per round), got {p.inner_steps!r}.")
+    _require(config.mode == "loop", "sync", "DiLoCo runs in tfpar's loop: add --config.mode=loop.")
+    others = [k for k in ("stages", "tensor") if p[k] != 1] + (["shard"] if p.shard != "none" else [])
+    others += ["compression"] if config.compression not in ("none", None) else []
+    _require(not others, "sync", f"diloco with {', '.join(others)} is not built: each replica trains "
+             "its own copy between rounds. Use one of them.")
+    _require(_strategy_kind(config) not in ("parameter_server", "multi_worker_mirrored", "tpu"), "sync",
+             f"diloco under {config.strategy} is not built yet (one process: mirrored, or auto on "
+             "one machine).")
 
 
 def _strategy_kind(config) -> str | None:

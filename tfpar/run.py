@@ -212,8 +212,10 @@ def build(run: _Run) -> None:
         run.trainer = Trainer(model, optimizer, model.loss, run.strategy, steps_per_loop=t.steps_per_loop,
                               accumulate=t.accumulate, compression=compression, nonfinite=t.nonfinite,
                               xla=None if t.xla else False, shard=config.parallel.shard,
-                              placement=run_parallel.pipeline(config, model, stage_plan))
+                              placement=run_parallel.pipeline(config, model, stage_plan),
+                              sync=run_parallel.sync(config))
         optimizer = run.trainer.optimizer
+        state = {**state, **{k: v for k, v in run.trainer.checkpoint_items().items() if k.startswith("diloco_")}}
     # shard: the sharded optimizer state, in Keras's layout, in place of the optimizer
     saved = run.trainer.checkpoint_items()["optimizer"] if config.parallel.shard != "none" else optimizer
     run.checkpoints = Checkpoints(run.workdir, run.info.is_chief, model=model, optimizer=saved, **state)

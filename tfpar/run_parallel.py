@@ -177,6 +177,20 @@ def pipeline(config, model, stage_plan):
                     remat={"none": False, "full": True, "attention": "attention"}[p.remat])
 
 
+def sync(config):
+    """The Trainer's sync (a tfpar.sync.DiLoCo for parallel.sync=diloco, else None); made
+    under the run's strategy scope by its Trainer."""
+    p = config.parallel
+    if p.sync == "none":
+        return None
+    import keras  # pylint: disable=import-outside-toplevel
+
+    from tfpar.sync import DiLoCo  # pylint: disable=import-outside-toplevel
+
+    outer = keras.optimizers.SGD(p.outer_learning_rate, momentum=p.outer_momentum, nesterov=p.outer_momentum > 0)
+    return DiLoCo(inner_steps=p.inner_steps, outer_optimizer=outer)
+
+
 def sampling_model(config, model):
     """A model that runs from Python: a tensor-parallel model's unsplit copy."""
     if config.parallel.tensor == 1:
@@ -198,4 +212,7 @@ def describe(config, stage_plan) -> str | None:
         parts.append(f"tensor parallel T={p.tensor}")
     if p.shard != "none":
         parts.append(f"sharded {p.shard} state")
+    if p.sync == "diloco":
+        parts.append(f"DiLoCo: {p.inner_steps} local steps per round, outer Nesterov SGD "
+                     f"({p.outer_learning_rate}, momentum {p.outer_momentum}); evaluation reads the shared weights")
     return "parallel: " + "; ".join(parts) if parts else None

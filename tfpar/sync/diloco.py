@@ -50,7 +50,8 @@ class DiLoCo:
       inner_steps: H, the optimizer steps each replica takes on its own between two outer
         steps (>= 1).
       outer_optimizer: a Keras optimizer for the anchor (default: `default_outer_optimizer`);
-        made fresh for this DiLoCo (it is built on the anchor's variables).
+        its settings are used, in a copy made under the Trainer's strategy and built on the
+        anchor's variables (`outer_optimizer` after the Trainer is made).
     """
 
     def __init__(self, inner_steps: int, outer_optimizer: keras.optimizers.Optimizer | None = None):
@@ -77,7 +78,9 @@ class DiLoCo:
         with strategy.scope():
             self.anchors = [keras.Variable(tf.convert_to_tensor(v), trainable=False, name=f"diloco_anchor_{i}")
                             for i, v in enumerate(self._variables)]  # Keras's: the outer optimizer's
-            self.outer_optimizer = self._outer_given or default_outer_optimizer()
+            given = self._outer_given  # its settings, in a fresh copy made under the strategy
+            self.outer_optimizer = (default_outer_optimizer() if given is None
+                                    else type(given).from_config(given.get_config()))
             self.outer_optimizer.build(self.anchors)
         self._outer_step = tf.function(self._outer_step_fn)
 
