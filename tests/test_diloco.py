@@ -244,3 +244,11 @@ def test_the_binary_refuses_what_diloco_does_not_compose_with():
         config.parallel.update(**parallel)
         with pytest.raises(ConfigError, match=message):
             validate(config)
+
+
+def test_the_wire_bytes_per_step_are_the_outer_all_reduce_spread_over_its_round():
+    strategy = mirrored(2)
+    model, trainer = trainer_for(strategy, fit_model.initial_weights(), sgd, sync=DiLoCo(inner_steps=4))
+    wire = trainer.wire_bytes(strategy.experimental_distribute_dataset(global_batches(1)))
+    weight_bytes = sum(int(np.prod(w.shape)) * 4 for w in model.trainable_weights)
+    assert wire["bytes_per_step"] == weight_bytes / 4 and wire["ratio"] == 4.0

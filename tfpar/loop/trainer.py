@@ -370,6 +370,8 @@ class Trainer:
         traced = self.traced_step(dataset, None if step is None else self._phase(step))
         found = accounting.collectives(traced)
         sent = accounting.bytes_per_replica(traced, in_loops_only=True)
+        if self._sync is not None:  # DiLoCo: the outer step's all-reduce, spread over its round
+            sent += self._sync.bytes_per_round() / self._sync.inner_steps
         dense = accounting.fp32_bytes(self.model.trainable_variables)
         return {"bytes_per_step": sent, "fp32_bytes_per_step": dense,
                 "ratio": dense / sent if sent else float("inf"),

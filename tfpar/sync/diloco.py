@@ -130,6 +130,13 @@ class DiLoCo:
                 for copy, value in pairs:
                     copy.assign(value)
 
+    def bytes_per_round(self) -> float:
+        """Bytes one replica hands to the outer step's all-reduce (counted from its traced
+        graph: every weight's delta, float32)."""
+        from tfpar.compression import accounting  # pylint: disable=import-outside-toplevel
+
+        return accounting.bytes_per_replica(self._outer_step.get_concrete_function())
+
     def checkpoint_items(self) -> dict:
         """The anchor and the outer optimizer, by name (tfpar's checkpoints save at round ends)."""
         return {"diloco_anchor": _Anchor(self.anchors), "diloco_outer_optimizer": self.outer_optimizer}
