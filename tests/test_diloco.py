@@ -73,17 +73,21 @@ def test_one_inner_step_with_a_plain_outer_sgd_is_synchronous_data_parallel_sgd(
     assert_close(model.get_weights(), plain.get_weights())
 
 
-@pytest.mark.parametrize("inner", [sgd, lambda: keras.optimizers.AdamW(  # epsilon 1e-3: see tests/test_matrix.py
-    0.01, weight_decay=0.1, global_clipnorm=1.0, epsilon=1e-3)],
-                         ids=["sgd", "adamw_clip"])
-def test_a_round_is_each_replica_on_its_own_batches_then_the_outer_step_on_the_mean_delta(inner):
+def adamw_clip():
+    return keras.optimizers.AdamW(0.01, weight_decay=0.1, global_clipnorm=1.0, epsilon=1e-3)  # eps: tests/test_matrix.py
+
+
+@pytest.mark.parametrize("inner,accumulate", [(sgd, 1), (adamw_clip, 1), (adamw_clip, 2)],
+                         ids=["sgd", "adamw_clip", "adamw_clip_accumulate_2"])
+def test_a_round_is_each_replica_on_its_own_batches_then_the_outer_step_on_the_mean_delta(inner, accumulate):
     """H = 3: the shared weights after the round are Nesterov SGD(0.7, 0.9) applied, from
     the round's start, to the mean over replicas of (start - that replica's weights after 3
-    one-device steps on its own batches); the next round starts from them (6 steps)."""
+    one-device steps on its own batches); the next round starts from them (6 steps). With
+    accumulation each inner step is one update on the mean loss of its K micro-batches."""
     weights = fit_model.initial_weights()
     strategy = mirrored(2)
-    model, trainer = trainer_for(strategy, weights, inner, sync=DiLoCo(inner_steps=3))
-    trainer.fit(global_batches(6), steps=6)
+    model, trainer = trainer_for(strategy, weights, inner, sync=DiLoCo(inner_steps=3), accumulate=accumulate)
+    trainer.fit(global_batches(6 * accumulate), steps=6)
 
     anchor = [tf.Variable(w) for w in weights]
     outer = keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)
@@ -96,9 +100,11 @@ def test_a_round_is_each_replica_on_its_own_batches_then_the_outer_step_on_the_m
         deltas = []
         for replica, (local, optimizer) in enumerate(inner_states):
             local.set_weights([a.numpy() for a in anchor])
-            for x, y in replica_batches(replica, 2, 6).skip(3 * round_).take(3):
+            mine = list(replica_batches(replica, 2, 6 * accumulate))[3 * accumulate * round_:]
+            for step in range(3):
                 with tf.GradientTape() as tape:
-                    loss = crossentropy()(y, local(x))
+                    loss = tf.add_n([crossentropy()(y, local(x)) for x, y in
+                                     mine[step * accumulate:(step + 1) * accumulate]]) / accumulate
                 optimizer.apply(tape.gradient(loss, local.trainable_variables), local.trainable_variables)
             deltas.append([a.numpy() - w for a, w in zip(anchor, local.get_weights())])
         outer.apply([np.mean([d[i] for d in deltas], axis=0) for i in range(len(anchor))], anchor)
@@ -140,7 +146,7 @@ def test_bad_settings_and_combinations_are_refused_by_name():
                     compression=tfpar.compression.FP16())
 
 
-@pytest.mark.parametrize("stop", [4, 6], ids=["mid_round", "round_end"])
+@pytest.mark.parametrize("stop", [4, pytest.param(6, marks=pytest.mark.slow)], ids=["mid_round", "round_end"])
 def test_a_run_stopped_mid_round_resumes_onto_the_uninterrupted_run(tmp_path, stop):
     """H = 3, AdamW: stopped at step 4 (mid-round: the replicas' weights and moments differ)
     or 6, saved by tfpar's Checkpoints, restored into a new Trainer, trained to step 9: the
@@ -252,3 +258,30 @@ def test_the_wire_bytes_per_step_are_the_outer_all_reduce_spread_over_its_round(
     wire = trainer.wire_bytes(strategy.experimental_distribute_dataset(global_batches(1)))
     weight_bytes = sum(int(np.prod(w.shape)) * 4 for w in model.trainable_weights)
     assert wire["bytes_per_step"] == weight_bytes / 4 and wire["ratio"] == 4.0
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", pytest.param("mixed_bfloat16", marks=pytest.mark.slow)])
+def test_mixed_precision_inner_steps_train_like_float32(policy):
+    """The inner steps as the loop does them under a mixed policy (fp16: Keras's loss-scale
+    optimizer, its scale per replica): after 2 rounds of H = 3 the shared weights are the
+    float32 run's to the policy's precision, and every replica holds them."""
+    weights = fit_model.initial_weights()
+    strategy = mirrored(2)
+    expected, trainer = trainer_for(strategy, weights, adamw_clip, sync=DiLoCo(inner_steps=3))
+    trainer.fit(global_batches(6), steps=6)
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        def inner():
+            optimizer = adamw_clip()
+            return keras.optimizers.LossScaleOptimizer(optimizer) if policy == "mixed_float16" else optimizer
+
+        model, trainer = trainer_for(strategy, weights, inner, sync=DiLoCo(inner_steps=3))
+        trainer.fit(global_batches(6), steps=6)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    moved = max(np.abs(a - b).max() for a, b in zip(expected.get_weights(), weights))
+    assert moved > 1e-2
+    assert_close(model.get_weights(), expected.get_weights(), tol=moved * (0.02 if policy == "mixed_bfloat16" else 0.005))
+    for variable in model.trainable_variables:
+        copies = [c.numpy() for _, c in shards.copies(variable)]
+        np.testing.assert_array_equal(copies[0], copies[1])
