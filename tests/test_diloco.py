@@ -42,13 +42,7 @@ def global_batches(steps):
 
 
 def replica_batches(replica, replicas, steps):
-    """The rows replica `replica` of `replicas` gets of each global batch (a plain dataset
-    distributed by the strategy: each replica a contiguous slice)."""
-    x, y = fit_model.data(steps)
-    rows = fit_model.GLOBAL_BATCH // replicas
-    pick = np.concatenate([np.arange(s * fit_model.GLOBAL_BATCH + replica * rows,
-                                     s * fit_model.GLOBAL_BATCH + (replica + 1) * rows) for s in range(steps)])
-    return tf.data.Dataset.from_tensor_slices((x[pick], y[pick])).batch(rows)
+    return fit_model.replica_dataset(replica, replicas, steps)
 
 
 def assert_close(actual, expected, tol=TOL):
@@ -285,3 +279,38 @@ def test_mixed_precision_inner_steps_train_like_float32(policy):
     for variable in model.trainable_variables:
         copies = [c.numpy() for _, c in shards.copies(variable)]
         np.testing.assert_array_equal(copies[0], copies[1])
+
+
+@pytest.mark.multiprocess
+def test_two_worker_processes_train_and_resume_mid_round_as_two_replicas_do(tmp_path):
+    """Under multi_worker_mirrored, one replica per worker process, each worker its own
+    slice of each batch: H = 1 with an outer SGD(1) is the workers' synchronous SGD (1e-6);
+    H = 3 (AdamW, 9 steps) is the 2-replica mirrored run of this module (1e-6), the same on
+    both workers; stopped at step 4, where the workers' copies differ, each worker's own
+    copy is written to its own file (checkpoints/workers/worker-k) and read back, and the
+    run resumed to step 9 is the uninterrupted one."""
+    from procs import launch
+
+    init = fit_model.initial_weights()
+    np.savez(tmp_path / "init.npz", **{f"w{i}": w for i, w in enumerate(init)})
+    workdir = tmp_path / "run"
+    result = launch(2, "diloco_worker.py", str(tmp_path / "init.npz"), str(tmp_path), str(workdir))
+    out = result.stdout
+    assert result.returncode == 0, out[-4000:]
+    assert out.count("STRATEGY multi_worker_mirrored replicas=2 workers=2") == 2 and out.count("DONE") == 2, out[-4000:]
+
+    def weights(name, task):
+        found = np.load(tmp_path / f"{name}{task}.npz")
+        return [found[f"arr_{i}"] for i in range(len(found.files))]
+
+    assert_close(weights("h1_", 0), weights("sync", 0))
+    assert max(np.abs(a - b).max() for a, b in zip(weights("sync", 0), init)) > 1e-2
+    model, trainer = trainer_for(mirrored(2), init, lambda: keras.optimizers.AdamW(0.01, epsilon=1e-3),
+                                 sync=DiLoCo(inner_steps=3))
+    trainer.fit(global_batches(9), steps=9)
+    for task in (0, 1):
+        assert_close(weights("whole", task), model.get_weights())
+        assert_close(weights("resumed", task), model.get_weights())
+    differ = max(np.abs(a - b).max() for a, b in zip(weights("mid_round", 0), weights("mid_round", 1)))
+    assert differ > 1e-3  # what the per-worker files keep
+    assert sorted(p.name for p in (workdir / "checkpoints" / "workers").iterdir()) == ["worker-0", "worker-1"]

@@ -373,3 +373,30 @@ def test_hybrid_over_hosts_x_pipeline_on_each_hosts_cpus(tmp_path):
             mine = [(name, device) for name, device in products if re.search(rf"/{layer}_\d+/", name)]
             assert any("gradient_tape" in n for n, _ in mine) and any("gradient_tape" not in n for n, _ in mine)
             assert {device for _, device in mine} == {on_cpu(task, placed[0]["stages"][stage])}, (task, stage)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_diloco_through_the_binary_over_a_20_mbit_link_resumes_at_its_step(tmp_path):
+    """Two hosts on a 20 Mbit/s link train reverse_tiny with `parallel.sync=diloco` (rounds
+    of 5 steps) to step 10, each worker writing its own copy beside the checkpoint, then
+    resume to step 20 from step 10."""
+    args = ["--config.mode=loop", "--config.parallel.sync=diloco", "--config.parallel.inner_steps=5"]
+
+    def run(steps):
+        procs = [hosts.popen(i, [sys.executable, *_train_args(tmp_path, steps=steps, checkpoint_every=10), *args],
+                             cwd=REPO, env=env(TF_CONFIG=_tf_config(hosts.addresses, 23456, i)),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+        outs = [p.communicate(timeout=400)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-2000:]
+        return outs
+
+    with Hosts(2, rate="20mbit") as hosts:
+        first = run(10)
+        assert "DiLoCo: 5 local steps per round" in first[0]
+        for task in ("worker-0", "worker-1"):
+            assert (tmp_path / "checkpoints" / "workers" / task / "ckpt-10.index").exists()
+        second = run(20)
+    assert "resuming from step 10" in second[0]
+    assert (tmp_path / "checkpoints" / "ckpt-20.index").exists()
+    assert (tmp_path / "checkpoints" / "workers" / "worker-1" / "ckpt-20.index").exists()

@@ -8,6 +8,11 @@ checking that it was written by the same model: the chief writes the model's fin
 checkpoint, and a checkpoint from another model or config is refused by name
 (CheckpointMismatchError), not half-restored.
 
+State that differs between worker processes (DiLoCo's replicas' own copies of the weights
+and of the inner optimizer's state, tfpar.sync.diloco.WorkerCopies) is written by each
+worker to its own file, `checkpoints/workers/<task>/ckpt-<step>`, before the chief's
+checkpoint of that step (`PerWorker`), and read back by each worker when it is restored.
+
 A ZeRO run (tfpar.zero) under a multi-worker strategy is saved one partition per worker:
 each worker writes its replicas' slices of the optimizer state to its own file in the
 checkpoint directory (which every worker must see), and the chief's checkpoint merges them
@@ -72,12 +77,15 @@ class Checkpoints:
             # non-trainable state was lost. Every weight is named here, in model order.
             objects["model_weights"] = tf.train.Checkpoint(
                 **{f"w{i}": v.value for i, v in enumerate(objects["model"].weights)})
+        # state that differs between workers (DiLoCo's copies): one file per worker
+        self.per_worker = PerWorker.find(objects, self.directory)
         # a ZeRO run across workers: each worker writes its own partitions (tfpar.zero.files)
         self.partitions = zero_files.WorkerPartitions.find(objects)
         if self.partitions is not None:
             objects["zero_partitions"] = self.partitions
         self.checkpoint = tf.train.Checkpoint(**objects)
         self.manager = tf.train.CheckpointManager(self.checkpoint, self.directory, max_to_keep)
+        self.max_to_keep = max_to_keep
         self._fingerprint_path = os.path.join(self.directory, "model.json")
         self.restored: str | None = None  # the checkpoint `restore` read
 
@@ -104,6 +112,8 @@ class Checkpoints:
                 f"{latest} does not restore into this model ({str(e).splitlines()[0][:200]}). "
                 "Use a fresh --workdir, or the config that wrote it.") from None
         step = int(latest.rsplit("-", 1)[-1])
+        if self.per_worker is not None:
+            self.per_worker.restore(step)
         logging.info("tfpar: resumed from %s (step %d).", latest, step)
         return step
 
@@ -153,6 +163,8 @@ class Checkpoints:
         return zero_checkpoint.saving(zero_checkpoint.LOCAL)
 
     def _save(self, step: int) -> str | None:
+        if self.per_worker is not None:  # every worker its own file first; the chief's checkpoint
+            self.per_worker.save(step, self.max_to_keep)  # names a step all files exist for
         if self.partitions is not None:  # every worker its partitions, then the chief merges
             return self.partitions.save(self.checkpoint, self.directory, step, self.is_chief,
                                         lambda: self._save_checkpoint(step))
@@ -173,3 +185,81 @@ class Checkpoints:
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         return None
+
+
+class PerWorker:
+    """Checkpoint objects whose values differ between worker processes (marked
+    `PER_WORKER`, e.g. tfpar.sync.diloco.WorkerCopies): every worker writes them to its own
+    file, `<checkpoints>/workers/<task>/ckpt-<step>`, before the chief's checkpoint of that
+    step exists, and reads its own back when that checkpoint is restored. The workdir must
+    be one every worker sees, or each worker's own at the same path.
+
+    Example:
+        >>> per_worker = PerWorker.find(objects, directory)   # takes them out of `objects`
+        >>> per_worker.save(6); per_worker.restore(6)
+    """
+
+    def __init__(self, objects: dict, directory: str, strategy):
+        self.checkpoint = tf.train.Checkpoint(**objects)
+        self.strategy = strategy
+        resolver = strategy.cluster_resolver
+        self.task = f"{resolver.task_type}-{resolver.task_id}"
+        self.directory = os.path.join(directory, "workers", self.task)
+
+    @classmethod
+    def find(cls, objects: dict, directory: str) -> "PerWorker | None":
+        mine = {k: objects.pop(k) for k in [k for k, v in objects.items() if getattr(v, "PER_WORKER", False)]}
+        if not mine:
+            return None
+        return cls(mine, directory, next(iter(mine.values())).strategy)
+
+    def prefix(self, step: int) -> str:
+        return os.path.join(self.directory, f"ckpt-{step}")
+
+    def save(self, step: int, keep: int) -> None:
+        """This worker's file of `step`, then a barrier: no checkpoint of `step` is written
+        unless every worker's file is (WorkdirError names the worker otherwise). Keeps this
+        worker's newest `keep` + 1 files (the manager keeps `keep` checkpoints; one more in
+        case the chief's save of `step` fails)."""
+        failure = None
+        try:
+            tf.io.gfile.makedirs(self.directory)
+            self.checkpoint.write(self.prefix(step))
+        except (OSError, tf.errors.OpError) as e:
+            failure = getattr(e, "strerror", None) or str(getattr(e, "message", e)).splitlines()[0][:200]
+        failed = _count_failures(self.strategy, failure is not None)
+        if failure is not None:
+            raise WorkdirError(f"Could not write this worker's ({self.task}) own state of checkpoint {step} "
+                               f"to {self.prefix(step)} ({failure}). Free some space or use another "
+                               "--workdir; the previous checkpoint is intact.")
+        if failed:
+            raise WorkdirError(f"{failed} worker(s) could not write their own state of checkpoint {step} "
+                               "(their own error names why); nothing was saved, the previous checkpoint "
+                               "is intact.")
+        self._keep_newest(keep + 1)
+
+    def restore(self, step: int) -> None:
+        prefix = self.prefix(step)
+        if not tf.io.gfile.exists(prefix + ".index"):
+            raise CheckpointDamagedError(
+                f"Checkpoint {step} needs this worker's ({self.task}) own state, {prefix}, which is "
+                "missing: each worker reads its own file from the same --workdir path. Give this "
+                "worker the workdir it wrote, or move the checkpoints away to start from step 0.")
+        self.checkpoint.read(prefix).assert_consumed()
+
+    def _keep_newest(self, count: int) -> None:
+        names = tf.io.gfile.listdir(self.directory)
+        steps = sorted({int(n.split(".", 1)[0][5:]) for n in names
+                        if n.startswith("ckpt-") and n.split(".", 1)[0][5:].isdigit()})
+        old = set(steps[:-count])
+        for name in names:
+            stem = name.split(".", 1)[0]
+            if stem.startswith("ckpt-") and stem[5:].isdigit() and int(stem[5:]) in old:
+                tf.io.gfile.remove(os.path.join(self.directory, name))
+
+
+def _count_failures(strategy, failed: bool) -> int:
+    """The barrier: one all-reduce over the workers; how many failed."""
+    share = (1.0 if failed else 0.0) / len(strategy.extended.worker_devices)  # per local replica
+    total = strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(lambda: tf.constant(share)), axis=None)
+    return int(round(float(total)))

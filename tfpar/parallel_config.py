@@ -167,9 +167,9 @@ def _validate_sync(config) -> None:
     others += ["compression"] if config.compression not in ("none", None) else []
     _require(not others, "sync", f"diloco with {', '.join(others)} is not built: each replica trains "
              "its own copy between rounds. Use one of them.")
-    _require(_strategy_kind(config) not in ("parameter_server", "multi_worker_mirrored", "tpu"), "sync",
-             f"diloco under {config.strategy} is not built yet (one process: mirrored, or auto on "
-             "one machine).")
+    _require(_strategy_kind(config) not in ("parameter_server", "tpu"), "sync",
+             f"diloco under {config.strategy} is not built (its replicas train their own copies of "
+             "mirrored weights): use mirrored, multi_worker_mirrored or auto.")
 
 
 def _strategy_kind(config) -> str | None:

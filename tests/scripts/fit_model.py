@@ -50,6 +50,18 @@ def dataset(steps: int = STEPS):
     return tf.data.Dataset.from_tensor_slices(data(steps)).batch(GLOBAL_BATCH)
 
 
+def replica_dataset(replica: int, replicas: int, steps: int = STEPS):
+    """The rows replica `replica` of `replicas` gets of each global batch when a strategy
+    distributes `dataset(steps)` (each replica a contiguous slice), batched per step."""
+    import tensorflow as tf
+
+    x, y = data(steps)
+    rows = GLOBAL_BATCH // replicas
+    pick = np.concatenate([np.arange(s * GLOBAL_BATCH + replica * rows, s * GLOBAL_BATCH + (replica + 1) * rows)
+                           for s in range(steps)])
+    return tf.data.Dataset.from_tensor_slices((x[pick], y[pick])).batch(rows)
+
+
 def initial_weights():
     import keras
 

@@ -80,10 +80,6 @@ def _check_sync(sync, trainer) -> None:
               "placement (a pipeline)": trainer.placement is not None,
               "a tensor-parallel model": trainer._tensor_layout is not None,
               "compression or an aggregator": type(trainer.aggregator).__name__ != "AllReduce"}
-    from tfpar.strategy.replicas import spans_workers  # pylint: disable=import-outside-toplevel
-
-    others["several worker processes (each replica's copies are checkpointed in one process)"] = \
-        spans_workers(trainer.strategy)
     found = [name for name, present in others.items() if present]
     if found:
         raise SyncError(f"{sync!r} with {', '.join(found)}: DiLoCo's replicas train their own copies "

@@ -65,6 +65,7 @@ class DiLoCo:
         self.anchors: list[tf.Variable] = []
         self._variables: list = []
         self._outer_step = None
+        self.worker_copies: WorkerCopies | None = None  # across workers: this worker's copies
 
     def __repr__(self) -> str:
         return f"DiLoCo(inner_steps={self.inner_steps})"
@@ -87,9 +88,16 @@ class DiLoCo:
     def keep_replica_copies(self, variables: Sequence) -> None:
         """Checkpoints each replica's own copy of `variables` (the weights and the inner
         optimizer's state differ between replicas during a round; the state differs across
-        rounds too): beside the value every restore reads (`VARIABLE_VALUE`, replica 0's,
-        so an unsplit model loads it), `REPLICA_COPIES` holds all the copies, restored each
-        into its replica. One process only, for now (refused under several workers)."""
+        rounds too). In one process: beside the value every restore reads
+        (`VARIABLE_VALUE`, replica 0's, so an unsplit model loads it), `REPLICA_COPIES`
+        holds all the copies, restored each into its replica. Across worker processes each
+        worker writes its own replicas' copies to its own file (`WorkerCopies`, which
+        tfpar.checkpoints.Checkpoints saves and restores per worker)."""
+        from tfpar.strategy.replicas import spans_workers  # pylint: disable=import-outside-toplevel
+
+        if spans_workers(self.strategy):
+            self.worker_copies = WorkerCopies(variables, self.strategy)
+            return
         for variable in variables:
             _keep_copies(getattr(variable, "value", variable))
 
@@ -138,8 +146,12 @@ class DiLoCo:
         return accounting.bytes_per_replica(self._outer_step.get_concrete_function())
 
     def checkpoint_items(self) -> dict:
-        """The anchor and the outer optimizer, by name (tfpar's checkpoints save at round ends)."""
-        return {"diloco_anchor": _Anchor(self.anchors), "diloco_outer_optimizer": self.outer_optimizer}
+        """The anchor and the outer optimizer, by name; across workers also this worker's
+        replicas' copies (`diloco_worker_copies`, written to a file of its own)."""
+        items = {"diloco_anchor": _Anchor(self.anchors), "diloco_outer_optimizer": self.outer_optimizer}
+        if self.worker_copies is not None:
+            items["diloco_worker_copies"] = self.worker_copies
+        return items
 
     # -- the outer step --------------------------------------------------------------
 
@@ -187,3 +199,30 @@ class _Anchor(tf.Module):
     def __init__(self, anchors):
         super().__init__(name="diloco_anchor")
         self.variables_list = list(anchors)
+
+
+class WorkerCopies(tf.__internal__.tracking.Trackable):
+    """This worker's replicas' own copies of some mirrored variables (DiLoCo's weights and
+    inner optimizer state across worker processes), as one checkpointable object that each
+    worker writes to a file of its own: tfpar.checkpoints.Checkpoints finds it by
+    `PER_WORKER` and saves it beside the chief's checkpoint, per worker, at the same step.
+
+    Example:
+        >>> copies = WorkerCopies(model.trainable_variables, strategy)
+        >>> tf.train.Checkpoint(copies=copies).write("/shared/run/checkpoints/workers/worker-1/ckpt-6")
+    """
+
+    PER_WORKER = True
+
+    def __init__(self, variables: Sequence, strategy: tf.distribute.Strategy):
+        from tfpar.tensor_parallel.shards import copies  # pylint: disable=import-outside-toplevel
+
+        self.strategy = strategy
+        self._locals = [[c for _, c in copies(getattr(v, "value", v))] for v in variables]
+
+    def _serialize_to_tensors(self):
+        return {f"copies_{i}": tf.stack([c.read_value() for c in local]) for i, local in enumerate(self._locals)}
+
+    def _restore_from_tensors(self, restored_tensors):
+        return tf.group([copy.assign(restored_tensors[f"copies_{i}"][r])
+                         for i, local in enumerate(self._locals) for r, copy in enumerate(local)])
