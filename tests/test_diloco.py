@@ -314,3 +314,18 @@ def test_two_worker_processes_train_and_resume_mid_round_as_two_replicas_do(tmp_
     differ = max(np.abs(a - b).max() for a, b in zip(weights("mid_round", 0), weights("mid_round", 1)))
     assert differ > 1e-3  # what the per-worker files keep
     assert sorted(p.name for p in (workdir / "checkpoints" / "workers").iterdir()) == ["worker-0", "worker-1"]
+
+
+def test_train_steps_across_round_ends_runs_the_outer_steps_as_fit_does():
+    """`train_steps(iterator, 7)` with H = 3 (a benchmark's or a controller's call) cuts at
+    steps 3 and 6 and runs the outer step there: fit's weights (1e-6)."""
+    weights = fit_model.initial_weights()
+    strategy = mirrored(2)
+    expected, trainer = trainer_for(strategy, weights, adamw_clip, sync=DiLoCo(inner_steps=3))
+    trainer.fit(global_batches(7), steps=7)
+    model, trainer = trainer_for(strategy, weights, adamw_clip, sync=DiLoCo(inner_steps=3))
+    trainer.train_steps(iter(strategy.experimental_distribute_dataset(global_batches(7))), 7)
+    assert trainer.step == 7
+    for a, b in zip(model.trainable_variables, expected.trainable_variables):
+        for (_, x), (_, y) in zip(shards.copies(a), shards.copies(b)):
+            np.testing.assert_allclose(x.numpy(), y.numpy(), rtol=TOL, atol=TOL, err_msg=a.path)

@@ -115,7 +115,13 @@ CONFIGS: dict[str, Entry] = {
     "none(sgd)": Entry("none", {}, False),
     # measures the link and the compute at build, then becomes one of its candidates
     "auto": Entry("auto", {}, False),
+    # DiLoCo (tfpar.sync): H local steps of the config's AdamW, then the outer Nesterov SGD
+    # (0.7, 0.9) on the mean delta; nothing compressed (DILOCO gives H)
+    **{f"diloco({h})": Entry("none", {}, False) for h in (10, 25, 50)},
 }
+
+#: DiLoCo's configurations: their inner steps H (`--config.parallel.sync=diloco`)
+DILOCO = {f"diloco({h})": h for h in (10, 25, 50)}
 
 # --config.optimizer.* where a configuration trains with another optimizer than the config
 # file's AdamW: momentum SGD at 0.1 (momentum 0.9 -> nesterov, clip_norm and weight decay
@@ -140,9 +146,10 @@ def flags(name: str) -> list[str]:
     """The binary's flags for `name` (beside --config=configs/MODEL.py)."""
     kind, args, embeddings = _entry(name)
     compression_args = {**args, **({"embeddings": True} if embeddings else {})}
+    sync = ["--config.parallel.sync=diloco", f"--config.parallel.inner_steps={DILOCO[name]}"] if name in DILOCO else []
     return (["--config.mode=loop", f"--config.compression={kind}"]
             + [f"--config.compression_args.{k}={v}" for k, v in compression_args.items()]
-            + [f"--config.optimizer.{k}={v}" for k, v in optimizer_overrides(name).items()])
+            + [f"--config.optimizer.{k}={v}" for k, v in optimizer_overrides(name).items()] + sync)
 
 
 def run_config(config, name: str):
@@ -155,6 +162,8 @@ def run_config(config, name: str):
         out.mode, out.compression = "loop", kind
         out.compression_args.update({**args, **({"embeddings": True} if embeddings else {})})
         out.optimizer.update(optimizer_overrides(name))
+        if name in DILOCO:
+            out.parallel.update(sync="diloco", inner_steps=DILOCO[name])
     validate(out)
     return out
 
@@ -165,11 +174,13 @@ def optimizer_config(config, name: str):
 
 
 def compression_for(name: str, steps: int = 600, tokens: int = 1024):
-    """The Compression for `name`. `steps`: the run's length (auto's and the schedules'
-    horizon); `tokens`: one replica's tokens per step (auto's compute proxy)."""
+    """The Compression for `name` (None for DiLoCo's). `steps`: the run's length (auto's
+    and the schedules' horizon); `tokens`: one replica's tokens per step (auto's compute proxy)."""
     from tfpar import compression as C
 
     kind, kwargs, embed = _entry(name)
+    if name in DILOCO:
+        return None
     if kind == "auto":
         return C.Auto(total_steps=steps, tokens=tokens)
     if kind in ("dgc", "onebit_adam", "dgc_adam") or "warmup_steps" in kwargs or "rank_schedule" in kwargs:
@@ -207,7 +218,7 @@ def plans(variables) -> dict:
 
     out = {}
     for name, entry in CONFIGS.items():
-        if entry.kind == "auto":
+        if entry.kind == "auto" or name in DILOCO:
             continue  # decided at build, from the link: see each run's auto_decision
         compression = compression_for(name)
         out[name] = {v.path: repr(c) if c else "float32" for v, c in zip(

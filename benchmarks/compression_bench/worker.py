@@ -8,13 +8,14 @@ validation loss every --eval-every steps and the step times.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import runpy
 import statistics
 import time
 
-from .configs import REPO, compression_for, flags, optimizer_config, plans, run_config, steps_for
+from .configs import DILOCO, REPO, compression_for, flags, optimizer_config, plans, run_config, steps_for
 
 
 def _compute_time(trainer, batch, repeats: int = 5) -> float:
@@ -61,8 +62,14 @@ def _wire(trainer, compression, train_data, replicas: int, steps: int) -> dict:
     variables = trainer.model.trainable_variables
     dense = accounting.fp32_bytes(variables)
     sent = accounting.bytes_per_replica(step, in_loops_only=True)
+    link = accounting.link_bytes_per_worker(step, replicas)
+    sync = trainer._sync  # pylint: disable=protected-access
+    if sync is not None:  # DiLoCo: its outer step's all-reduce, spread over its round
+        outer = sync._outer_step.get_concrete_function()  # pylint: disable=protected-access
+        sent += sync.bytes_per_round() / sync.inner_steps
+        link += accounting.link_bytes_per_worker(outer, replicas, in_loops_only=False) / sync.inner_steps
     return {"bytes_per_step": sent, "fp32_bytes_per_step": dense, "ratio": dense / sent,
-            "link_bytes_per_worker": accounting.link_bytes_per_worker(step, replicas),
+            "link_bytes_per_worker": link,
             # of bytes_per_step: the replicas' agreement that every gradient is finite (4 bytes
             # with a stateful compressor); analytic_bytes_per_step is the gradients' alone
             "check_bytes_per_step": accounting.bytes_in_scope(accounting.collectives(step)),
@@ -85,8 +92,13 @@ def _build(name, args, config, splits, strategy, steps):
         optimizer = recipes.build_optimizer(optimizer_config(config, name), steps)
     compression = compression_for(name, args.bytes_at_step or steps,
                                   args.batch // strategy.num_replicas_in_sync * config.data.seq_len)
+    sync = None
+    if name in DILOCO:
+        from tfpar.sync import DiLoCo
+
+        sync = DiLoCo(inner_steps=DILOCO[name])
     trainer = Trainer(model, optimizer, recipes.SmoothedSparseCrossentropy(0.0), strategy=strategy,
-                      steps_per_loop=args.steps_per_loop, compression=compression)
+                      steps_per_loop=args.steps_per_loop, compression=compression, sync=sync)
     return model, compression, trainer
 
 
@@ -124,10 +136,17 @@ def train_one(name, args, config, splits, strategy, eval_data, eval_steps, say) 
     local = next(iter(splits.train.build(training=False).batch(
         args.batch // strategy.num_replicas_in_sync, drop_remainder=True)))
     compute_s = _compute_time(trainer, local)
-    run = _train(name, args, trainer, train_data, steps,
-                 lambda: evaluate(model, strategy, eval_data, eval_steps)["loss"], say)
+    sync = trainer._sync  # pylint: disable=protected-access
+
+    def validation_loss() -> float:  # DiLoCo: the shared (outer) weights
+        with sync.shared_weights() if sync is not None else contextlib.nullcontext():
+            return evaluate(model, strategy, eval_data, eval_steps)["loss"]
+
+    run = _train(name, args, trainer, train_data, steps, validation_loss, say)
     curve, per_step = run["curve"], run["per_step"]
-    median = statistics.median(per_step[args.warmup_calls:])  # sittings() refused runs too short to time
+    timed = per_step[args.warmup_calls:]  # sittings() refused runs too short to time
+    # DiLoCo's calls differ (an outer all-reduce ends some): the mean, not the median
+    median = statistics.mean(timed) if sync is not None else statistics.median(timed)
     collective_s = max(median - compute_s, 0.0)
     return {**wire, "optimizer": optimizer_config(config, name).to_dict(), "binary_flags": flags(name),
             "step_time_s": median, "step_times_s": per_step, "compute_s": compute_s,

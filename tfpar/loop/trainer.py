@@ -325,7 +325,21 @@ class Trainer:
         return tuple(self.aggregator.boundaries())
 
     def train_steps(self, iterator, steps: int) -> float:
-        """Runs `steps` optimizer steps from `iterator` from `self.step`; returns their mean loss."""
+        """Runs `steps` optimizer steps from `iterator` from `self.step`; returns their mean
+        loss. Under DiLoCo (`sync`) the calls are cut at the rounds' ends, where its outer
+        step runs."""
+        if self._sync is not None:
+            cuts = [self.step, *self._sync.round_ends(self.step, self.step + steps), self.step + steps]
+            total = 0.0
+            for n in (b - a for a, b in zip(cuts, cuts[1:])):
+                total += self._train_call(iterator, n) * n
+                if self._sync.is_round_end(self.step):
+                    self._sync.outer_step()
+            return total / steps
+        return self._train_call(iterator, steps)
+
+    def _train_call(self, iterator, steps: int) -> float:
+        """One call of `steps` steps (one tf.function call; scheduled under parameter_server)."""
         if self._async:
             loss = float(parameter_server.fetch(self._async.coordinator.schedule(
                 self._scheduled_loop, args=(iterator, tf.constant(steps)))))
@@ -402,11 +416,8 @@ class Trainer:
         every call before it has finished when its `on_chunk` runs.
         """
         if not self._async:
-            for n in sizes:
-                loss = self.train_steps(iterator, n)
-                if self._sync is not None and self._sync.is_round_end(self.step):
-                    self._sync.outer_step()  # before the chunk's callbacks (checkpoints)
-                on_chunk(n, loss)
+            for n in sizes:  # cut at DiLoCo's round ends: its outer step runs before on_chunk (checkpoints)
+                on_chunk(n, self.train_steps(iterator, n))
             return
 
         def done(n: int, loss: float) -> None:
