@@ -6,6 +6,8 @@ at the end of a round are a one-device run on that replica's own batches, and th
 shared weights are the outer optimizer applied to the mean of the replicas' deltas.
 """
 
+import json
+
 import keras
 import numpy as np
 import pytest
@@ -216,6 +218,10 @@ def test_the_binary_trains_with_parallel_sync_diloco_and_resumes_at_its_step(tmp
         return config
 
     train_and_evaluate(config_for(6), str(tmp_path / "whole"))
+    with open(tmp_path / "whole" / "results.json", encoding="utf-8") as f:
+        results = json.load(f)
+    assert (results["sync"], results["inner_steps"], results["rounds"]) == ("diloco", 2, 3)
+    assert results["compression_ratio"] == pytest.approx(2.0, rel=1e-3)  # an all-reduce every 2 steps
     train_and_evaluate(config_for(3), str(tmp_path / "resumed"))
     train_and_evaluate(config_for(6), str(tmp_path / "resumed"))
     a, b = (tf.train.load_checkpoint(tf.train.latest_checkpoint(str(tmp_path / d / "checkpoints")))

@@ -280,6 +280,13 @@ def _controller(run: _Run, start: int, wire: list | None, writer):
         stop_on_nonfinite=run.trainer is None and t.nonfinite == "stop")  # the loop checks itself
 
 
+def _exchange_name(config) -> str:
+    """What crosses the wire, for the wire lines: the compression, or DiLoCo's rounds."""
+    if config.parallel.sync == "diloco":
+        return f"diloco({config.parallel.inner_steps}), outer all-reduce every {config.parallel.inner_steps} steps"
+    return config.compression
+
+
 def _summary_writer(run: _Run):
     import tensorflow as tf
 
@@ -302,6 +309,9 @@ def _results(run: _Run, train_seconds: float, progress_last: dict, wire: list | 
         results.update(compression=run.config.compression, compression_ratio=ratio,
                        wire_bytes_per_step=round(wire[-1].fp32_bytes_per_step / ratio),
                        wire_bytes_sent=progress_last.get("wire_bytes_sent", 0))
+    if run.config.parallel.sync != "none":  # DiLoCo: its rounds (each one outer all-reduce)
+        h = run.config.parallel.inner_steps
+        results.update(sync=run.config.parallel.sync, inner_steps=h, rounds=t.steps // h)
     if run.corpus:
         results["unigram_baseline"] = data_lib.unigram_entropy(run.splits.validation)
     with writer.as_default(step=t.steps):
@@ -346,10 +356,11 @@ def train_and_evaluate(config, workdir: str) -> dict:
         run.say(f"resuming from step {start} ({run.checkpoints.restored})")
     train_data = _train_data(run, start)
     writer = _summary_writer(run)
+    exchange = _exchange_name(config)
     wire = wire_phases(run.info, run.model, run.compression, run.trainer, train_data, run.asynchronous,
-                       start, config.train.steps, config.compression)
+                       start, config.train.steps, exchange)
     if wire:
-        run.say(wire_start_line(wire, config.compression, config.train.steps))
+        run.say(wire_start_line(wire, exchange, config.train.steps))
     controller = _controller(run, start, wire, writer)
     started = time.perf_counter()
     if start < config.train.steps and run.trainer is not None:
