@@ -335,3 +335,24 @@ def test_train_steps_across_round_ends_runs_the_outer_steps_as_fit_does():
     for a, b in zip(model.trainable_variables, expected.trainable_variables):
         for (_, x), (_, y) in zip(shards.copies(a), shards.copies(b)):
             np.testing.assert_allclose(x.numpy(), y.numpy(), rtol=TOL, atol=TOL, err_msg=a.path)
+
+
+def test_replicas_grouped_into_workers_train_as_one_worker_each():
+    """The hierarchical form: 4 replicas as 2 DiLoCo workers of 2 (their gradients summed
+    inside the worker every step, DiLoCo between workers) is the 2-replica run, each worker's
+    replicas holding one copy (H = 3, AdamW with a clip, stopped mid-round at step 4 and
+    at step 6); a group that does not divide the replicas is refused by name."""
+    weights = fit_model.initial_weights()
+    for steps in (4, 6):
+        expected, trainer = trainer_for(mirrored(2), weights, adamw_clip, sync=DiLoCo(inner_steps=3))
+        trainer.fit(global_batches(steps), steps=steps)
+        model, trainer = trainer_for(mirrored(4), weights, adamw_clip,
+                                     sync=DiLoCo(inner_steps=3, replicas_per_worker=2))
+        trainer.fit(global_batches(steps), steps=steps)
+        for a, b in zip(model.trainable_variables, expected.trainable_variables):
+            mine = [c.numpy() for _, c in shards.copies(a)]
+            want = [c.numpy() for _, c in shards.copies(b)]
+            for replica, copy in enumerate(mine):  # replicas 0, 1: worker 0; 2, 3: worker 1
+                np.testing.assert_allclose(copy, want[replica // 2], rtol=1e-5, atol=1e-5, err_msg=a.path)
+    with pytest.raises(SyncError, match="replicas_per_worker=3 does not divide the 4 replicas"):
+        trainer_for(mirrored(4), weights, sgd, sync=DiLoCo(inner_steps=3, replicas_per_worker=3))

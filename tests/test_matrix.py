@@ -27,7 +27,8 @@ under a keras.distribution `DataParallel` over 2 devices or a `ModelParallel` on
 mesh whose layout map splits its two hidden layers, with `tfpar.distribution.enable()`;
 trained by `model.fit` and by `tfpar.Trainer` with a plain dataset: both modes, mixed
 precision, accumulation, EMA, clipvalue, the weight-decay exclusion, topk and dgc, and
-sharding refused): 165 cases. The fast tier is all-pairs over {default, mirrored} x every mode and
+sharding refused; and a 2 x 1 mesh whose map lays both kernels on "batch", which the
+Trainer runs as ZeRO-2 by default: both modes, fp16, accumulation, topk refused): 170 cases. The fast tier is all-pairs over {default, mirrored} x every mode and
 precision x {none, topk, dgc, onebit_adam} x {none, global clip, accumulation, EMA}, plus two
 sharded cases, one tensor-parallel case and one ModelParallel fit, all in this process: 20
 cases; the other 145 are

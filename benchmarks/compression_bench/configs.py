@@ -115,13 +115,14 @@ CONFIGS: dict[str, Entry] = {
     "none(sgd)": Entry("none", {}, False),
     # measures the link and the compute at build, then becomes one of its candidates
     "auto": Entry("auto", {}, False),
-    # DiLoCo (tfpar.sync): H local steps of the config's AdamW, then the outer Nesterov SGD
-    # (0.7, 0.9) on the mean delta; nothing compressed (DILOCO gives H)
-    **{f"diloco({h})": Entry("none", {}, False) for h in (10, 25, 50)},
 }
 
-#: DiLoCo's configurations: their inner steps H (`--config.parallel.sync=diloco`)
-DILOCO = {f"diloco({h})": h for h in (10, 25, 50)}
+#: DiLoCo's configurations (`--config.parallel.sync=diloco`): H local steps of the config's
+#: AdamW, then the outer SGD on the mean delta, nothing compressed. (H, outer learning rate,
+#: outer momentum): the paper's Nesterov 0.7 / 0.9, and plain averaging (1.0, none: local SGD)
+DILOCO = {**{f"diloco({h})": (h, 0.7, 0.9) for h in (10, 25, 50)},
+          **{f"diloco({h})+avg": (h, 1.0, 0.0) for h in (5, 10, 25)}}
+CONFIGS.update({name: Entry("none", {}, False) for name in DILOCO})
 
 # --config.optimizer.* where a configuration trains with another optimizer than the config
 # file's AdamW: momentum SGD at 0.1 (momentum 0.9 -> nesterov, clip_norm and weight decay
@@ -129,6 +130,14 @@ DILOCO = {f"diloco({h})": h for h in (10, 25, 50)}
 SGD = {"name": "sgd", "learning_rate": 0.1}
 OPTIMIZER_FOR = {"dgc": SGD, "none(sgd)": SGD}
 EMBED = r"embed"
+
+
+def diloco_settings(name: str) -> dict:
+    """config.parallel's DiLoCo keys for `name` ({} when it is not DiLoCo's)."""
+    if name not in DILOCO:
+        return {}
+    steps, rate, momentum = DILOCO[name]
+    return {"sync": "diloco", "inner_steps": steps, "outer_learning_rate": rate, "outer_momentum": momentum}
 
 
 def _entry(name: str) -> Entry:
@@ -146,7 +155,7 @@ def flags(name: str) -> list[str]:
     """The binary's flags for `name` (beside --config=configs/MODEL.py)."""
     kind, args, embeddings = _entry(name)
     compression_args = {**args, **({"embeddings": True} if embeddings else {})}
-    sync = ["--config.parallel.sync=diloco", f"--config.parallel.inner_steps={DILOCO[name]}"] if name in DILOCO else []
+    sync = [f"--config.parallel.{k}={v}" for k, v in diloco_settings(name).items()]
     return (["--config.mode=loop", f"--config.compression={kind}"]
             + [f"--config.compression_args.{k}={v}" for k, v in compression_args.items()]
             + [f"--config.optimizer.{k}={v}" for k, v in optimizer_overrides(name).items()] + sync)
@@ -162,8 +171,7 @@ def run_config(config, name: str):
         out.mode, out.compression = "loop", kind
         out.compression_args.update({**args, **({"embeddings": True} if embeddings else {})})
         out.optimizer.update(optimizer_overrides(name))
-        if name in DILOCO:
-            out.parallel.update(sync="diloco", inner_steps=DILOCO[name])
+        out.parallel.update(diloco_settings(name))
     validate(out)
     return out
 

@@ -93,10 +93,10 @@ def _build(name, args, config, splits, strategy, steps):
     compression = compression_for(name, args.bytes_at_step or steps,
                                   args.batch // strategy.num_replicas_in_sync * config.data.seq_len)
     sync = None
-    if name in DILOCO:
-        from tfpar.sync import DiLoCo
+    if name in DILOCO:  # as the binary makes it from its flags
+        from tfpar import run_parallel
 
-        sync = DiLoCo(inner_steps=DILOCO[name])
+        sync = run_parallel.sync(run_config(config, name))
     trainer = Trainer(model, optimizer, recipes.SmoothedSparseCrossentropy(0.0), strategy=strategy,
                       steps_per_loop=args.steps_per_loop, compression=compression, sync=sync)
     return model, compression, trainer

@@ -8,6 +8,11 @@ rate 0.7 and momentum 0.9, by default) applies it to the anchor; every replica t
 the next round from the new anchor. One all-reduce of the weights every H steps replaces
 one of the gradients every step.
 
+Hierarchical: G consecutive replicas can train as one DiLoCo worker (`replicas_per_worker`;
+by default each process's replicas under several worker processes): their gradients are
+summed inside the worker every step (one group all-reduce, tfpar.strategy.groups), so they
+hold one copy, and DiLoCo runs between the workers.
+
 How it runs on TensorFlow's own runtime: a MirroredVariable holds one copy per replica.
 tfpar's loop hands the optimizer each replica's own gradient (no all-reduce), and Keras's
 update writes each copy from its own replica's gradient (`strategy.extended.update` with
@@ -52,13 +57,24 @@ class DiLoCo:
       outer_optimizer: a Keras optimizer for the anchor (default: `default_outer_optimizer`);
         its settings are used, in a copy made under the Trainer's strategy and built on the
         anchor's variables (`outer_optimizer` after the Trainer is made).
+      replicas_per_worker: G consecutive replicas train as one DiLoCo worker, synchronous
+        inside (their gradients summed every step, the hierarchical form). Default: each
+        process's replicas under several worker processes, else 1 (every replica a worker).
     """
 
-    def __init__(self, inner_steps: int, outer_optimizer: keras.optimizers.Optimizer | None = None):
+    def __init__(self, inner_steps: int, outer_optimizer: keras.optimizers.Optimizer | None = None,
+                 replicas_per_worker: int | None = None):
         if int(inner_steps) != inner_steps or inner_steps < 1:
             raise SyncError(f"DiLoCo inner_steps={inner_steps!r}: give the number of local steps "
                             "per round, an integer >= 1 (the paper: 500; over a slow link 10-50).")
+        if replicas_per_worker is not None and (int(replicas_per_worker) != replicas_per_worker
+                                                or replicas_per_worker < 1):
+            raise SyncError(f"DiLoCo replicas_per_worker={replicas_per_worker!r}: give how many "
+                            "consecutive replicas train as one DiLoCo worker, an integer >= 1.")
         self.inner_steps = int(inner_steps)
+        self._per_worker_given = replicas_per_worker
+        self.replicas_per_worker = 1
+        self._worker_groups: list = []
         self._outer_given = outer_optimizer
         self.outer_optimizer: keras.optimizers.Optimizer | None = None
         self.strategy: tf.distribute.Strategy | None = None
@@ -68,14 +84,16 @@ class DiLoCo:
         self.worker_copies: WorkerCopies | None = None  # across workers: this worker's copies
 
     def __repr__(self) -> str:
-        return f"DiLoCo(inner_steps={self.inner_steps})"
+        grouped = f", replicas_per_worker={self._per_worker_given}" if self._per_worker_given else ""
+        return f"DiLoCo(inner_steps={self.inner_steps}{grouped})"
 
     # -- the Trainer's side ----------------------------------------------------------
 
     def build(self, strategy: tf.distribute.Strategy, variables: Sequence[tf.Variable]) -> None:
-        """The anchor (a copy of each trainable variable) and the outer optimizer, under
-        `strategy.scope()`."""
+        """The anchor (a copy of each trainable variable), the outer optimizer and the
+        workers' groups of replicas, under `strategy.scope()`."""
         self.strategy, self._variables = strategy, list(variables)
+        self._group_workers(strategy)
         with strategy.scope():
             self.anchors = [keras.Variable(tf.convert_to_tensor(v), trainable=False, name=f"diloco_anchor_{i}")
                             for i, v in enumerate(self._variables)]  # Keras's: the outer optimizer's
@@ -102,12 +120,48 @@ class DiLoCo:
             _keep_copies(getattr(variable, "value", variable))
 
     def local_gradients(self, gradients: Sequence, replicas: int) -> list:
-        """This replica's own gradient of its own batch's mean loss (replica context): the
-        loop's gradients are of the global batch's mean (divided by the replicas), and are
-        not summed across replicas."""
-        return [None if g is None else g * tf.cast(replicas, g.dtype) if not isinstance(g, tf.IndexedSlices)
-                else tf.IndexedSlices(g.values * tf.cast(replicas, g.values.dtype), g.indices, g.dense_shape)
-                for g in gradients]
+        """This DiLoCo worker's gradient of its own batch's mean loss (replica context): the
+        loop's gradients are of the global batch's mean (divided by the replicas). A worker
+        of one replica takes its own, summed nowhere; a worker of G replicas sums its
+        replicas' over its group (one all-reduce inside the worker), so they stay equal."""
+        if self.replicas_per_worker == 1:
+            return [None if g is None else g * tf.cast(replicas, g.dtype) if not isinstance(g, tf.IndexedSlices)
+                    else tf.IndexedSlices(g.values * tf.cast(replicas, g.values.dtype), g.indices, g.dense_shape)
+                    for g in gradients]
+        from tfpar.strategy import groups  # pylint: disable=import-outside-toplevel
+
+        group = self._worker_groups[groups.here() // self.replicas_per_worker]
+        present = [i for i, g in enumerate(gradients) if g is not None]
+        scale = replicas / self.replicas_per_worker
+        with tf.name_scope("diloco/worker_sum"):
+            summed = group.batch_all_reduce([tf.convert_to_tensor(gradients[i]) for i in present])
+        found = [None] * len(gradients)
+        for i, g in zip(present, summed):
+            found[i] = g * tf.cast(scale, g.dtype)
+        return found
+
+    def _group_workers(self, strategy) -> None:
+        """G, the replicas of one DiLoCo worker: as given, else each process's replicas
+        under several worker processes (synchronous inside a process, DiLoCo across), else
+        1. A process's replicas must be G consecutive ids (checked)."""
+        from tfpar.strategy import groups  # pylint: disable=import-outside-toplevel
+        from tfpar.strategy.replicas import spans_workers  # pylint: disable=import-outside-toplevel
+
+        replicas = strategy.num_replicas_in_sync
+        local = groups.local_replica_ids(strategy)
+        size = self._per_worker_given or (len(local) if spans_workers(strategy) else 1)
+        if replicas % size:
+            raise SyncError(f"DiLoCo replicas_per_worker={size} does not divide the {replicas} replicas: "
+                            "give a divisor.")
+        if size > 1 and spans_workers(strategy) and any(r // size != local[0] // size for r in local):
+            raise SyncError(f"DiLoCo groups {size} consecutive replicas as one worker, but this process holds "
+                            f"replicas {local}: a DiLoCo worker must not span processes. Give "
+                            f"replicas_per_worker={len(local)} (this process's) or a divisor of it.")
+        self.replicas_per_worker = size
+        if size > 1:
+            with strategy.scope():
+                self._worker_groups = groups.subsets(
+                    strategy, [list(range(w, w + size)) for w in range(0, replicas, size)])
 
     def round_ends(self, start: int, end: int) -> list[int]:
         """The steps in (start, end) at which a round ends (the loop cuts its calls there)."""
