@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import keras
@@ -34,6 +35,7 @@ from tfpar.aggregation import GradientAggregator
 from tfpar.compression import accounting
 from tfpar.compression.compressed_aggregator import Compression
 from tfpar.compression.compressors import Compressor
+from tfpar.errors import ShardingError
 from tfpar.loop import parameter_server
 from tfpar.loop.forward_backward import ForwardBackward
 from tfpar.loop.nonfinite import POLICIES as NONFINITE_POLICIES
@@ -167,14 +169,17 @@ class Trainer:
         keras_fixes.apply_and_report()  # accumulation and EMA under mirrored need fix 4
         self.aggregator = aggregator_for(self.strategy, aggregator, compression, model)
         self._tensor_layout = tensor_parallel_layout(model)  # None: the model is not split
-        self._sharded = zero.zero_update(_shard_of(model, self.strategy, shard))
+        # DiLoCo keeps each replica's own optimizer state: no default ZeRO with it
+        self._sharded = zero.zero_update(_shard_of(model, self.strategy, "none" if shard is None and sync else shard))
         if self._sharded is not None and self._tensor_layout is not None:
             # ZeRO over each data-parallel group of the split model (tfpar.zero.update): its
             # update sums the gradients; the tensor-parallel aggregator only checks the optimizer
             self._sharded.split_over(self._tensor_layout)
             self.aggregator.leave_to_partitions()
+        by_default = shard is None and self._sharded is not None  # the layout map's ZeRO-2
         if self._sharded is not None:  # refused by name before anything is built
-            self._sharded.configure(self.strategy, optimizer, self.aggregator, placement, nonfinite)
+            with _naming_the_default(by_default):
+                self._sharded.configure(self.strategy, optimizer, self.aggregator, placement, nonfinite)
         self.aggregator.check_optimizer(optimizer)
         is_async = parameter_server.is_parameter_server(self.strategy)
         self.placement = placement
@@ -199,7 +204,8 @@ class Trainer:
             if self._sharded is None:
                 optimizer.build(model.trainable_variables)  # before any traced step
             else:  # each replica's 1/R of the optimizer, in place of the whole one
-                self._sharded.build(model.trainable_variables)
+                with _naming_the_default(by_default):
+                    self._sharded.build(model.trainable_variables)
             self._loss_sum = None if self._async else tf.Variable(
                 0.0, trainable=False, name="loss_sum",
                 synchronization=tf.VariableSynchronization.ON_READ,
@@ -525,3 +531,16 @@ def _shard_of(model, strategy, asked):
     shard = plan.shard_for(model, asked)
     logging.info("tfpar: %s", plan.start_line(model, shard))
     return shard
+
+
+@contextlib.contextmanager
+def _naming_the_default(by_default: bool):
+    """A ZeRO refusal of the layout map's default ZeRO-2 also names the way out."""
+    try:
+        yield
+    except ShardingError as e:
+        if not by_default:
+            raise
+        raise ShardingError(f"{e} (ZeRO-2 is the Trainer's default for a model whose keras.distribution layout "
+                            "map lays weights on the batch axis: pass shard='none' to keep their optimizer "
+                            "state whole.)") from None
