@@ -37,6 +37,7 @@ from absl import logging
 
 from tfpar import checkpoint_integrity
 from tfpar.errors import CheckpointDamagedError, CheckpointMismatchError, WorkdirError
+from tfpar.strategy.replicas import count_failed_workers
 from tfpar.tensor_parallel.shards import whole_shape
 from tfpar.zero import checkpoint as zero_checkpoint
 from tfpar.zero import files as zero_files
@@ -227,7 +228,7 @@ class PerWorker:
             self.checkpoint.write(self.prefix(step))
         except (OSError, tf.errors.OpError) as e:
             failure = getattr(e, "strerror", None) or str(getattr(e, "message", e)).splitlines()[0][:200]
-        failed = _count_failures(self.strategy, failure is not None)
+        failed = count_failed_workers(self.strategy, failure is not None)
         if failure is not None:
             raise WorkdirError(f"Could not write this worker's ({self.task}) own state of checkpoint {step} "
                                f"to {self.prefix(step)} ({failure}). Free some space or use another "
@@ -256,10 +257,3 @@ class PerWorker:
             stem = name.split(".", 1)[0]
             if stem.startswith("ckpt-") and stem[5:].isdigit() and int(stem[5:]) in old:
                 tf.io.gfile.remove(os.path.join(self.directory, name))
-
-
-def _count_failures(strategy, failed: bool) -> int:
-    """The barrier: one all-reduce over the workers; how many failed."""
-    share = (1.0 if failed else 0.0) / len(strategy.extended.worker_devices)  # per local replica
-    total = strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(lambda: tf.constant(share)), axis=None)
-    return int(round(float(total)))

@@ -169,17 +169,8 @@ class Trainer:
         keras_fixes.apply_and_report()  # accumulation and EMA under mirrored need fix 4
         self.aggregator = aggregator_for(self.strategy, aggregator, compression, model)
         self._tensor_layout = tensor_parallel_layout(model)  # None: the model is not split
-        # DiLoCo keeps each replica's own optimizer state: no default ZeRO with it
-        self._sharded = zero.zero_update(_shard_of(model, self.strategy, "none" if shard is None and sync else shard))
-        if self._sharded is not None and self._tensor_layout is not None:
-            # ZeRO over each data-parallel group of the split model (tfpar.zero.update): its
-            # update sums the gradients; the tensor-parallel aggregator only checks the optimizer
-            self._sharded.split_over(self._tensor_layout)
-            self.aggregator.leave_to_partitions()
-        by_default = shard is None and self._sharded is not None  # the layout map's ZeRO-2
-        if self._sharded is not None:  # refused by name before anything is built
-            with _naming_the_default(by_default):
-                self._sharded.configure(self.strategy, optimizer, self.aggregator, placement, nonfinite)
+        self._shard_by_default = shard is None and sync is None  # the layout map may give ZeRO-2
+        self._sharded = self._zero_update(model, shard, sync, optimizer, placement, nonfinite)
         self.aggregator.check_optimizer(optimizer)
         is_async = parameter_server.is_parameter_server(self.strategy)
         self.placement = placement
@@ -204,7 +195,7 @@ class Trainer:
             if self._sharded is None:
                 optimizer.build(model.trainable_variables)  # before any traced step
             else:  # each replica's 1/R of the optimizer, in place of the whole one
-                with _naming_the_default(by_default):
+                with _naming_the_default(self._shard_by_default):
                     self._sharded.build(model.trainable_variables)
             self._loss_sum = None if self._async else tf.Variable(
                 0.0, trainable=False, name="loss_sum",
@@ -230,6 +221,22 @@ class Trainer:
         self._train_loop = tf.function(self._train_loop_fn, reduce_retracing=True)
         # The coordinator binds only tensor arguments: its function has no phase argument.
         self._scheduled_loop = tf.function(lambda iterator, steps: self._train_loop_fn(iterator, steps))
+
+    def _zero_update(self, model, shard, sync, optimizer, placement, nonfinite) -> zero.ZeroUpdate | None:
+        """The sharded update for `shard` (None: the model's layout map decides; DiLoCo keeps
+        each replica's own optimizer state, so none with it), checked by name before
+        anything is built; over each data-parallel group of a split model."""
+        sharded = zero.zero_update(_shard_of(model, self.strategy, "none" if shard is None and sync else shard))
+        if sharded is None:
+            return None
+        if self._tensor_layout is not None:
+            # ZeRO over each data-parallel group of the split model (tfpar.zero.update): its
+            # update sums the gradients; the tensor-parallel aggregator only checks the optimizer
+            sharded.split_over(self._tensor_layout)
+            self.aggregator.leave_to_partitions()
+        with _naming_the_default(self._shard_by_default):
+            sharded.configure(self.strategy, optimizer, self.aggregator, placement, nonfinite)
+        return sharded
 
     @property
     def skipped_steps(self) -> int:

@@ -33,6 +33,7 @@ import tensorflow as tf
 
 from tfpar.errors import WorkdirError
 from tfpar.strategy import private_api
+from tfpar.strategy.replicas import count_failed_workers
 from tfpar.zero import checkpoint as zero_checkpoint
 
 SAVER = "ZeroWorkerPartitions"
@@ -77,7 +78,7 @@ class WorkerPartitions(tf.__internal__.tracking.Trackable):
         so that every collective a save needs is reached). Returns what `save` returns."""
         mine = self.prefix(directory, step, self.task)
         failure = self._write_own(root, mine)
-        failed = self._agree(failure is not None)
+        failed = count_failed_workers(self.strategy, failure is not None)
         if failed:
             _remove(os.path.dirname(mine))
         if failure is not None:
@@ -114,13 +115,6 @@ class WorkerPartitions(tf.__internal__.tracking.Trackable):
         except (OSError, tf.errors.OpError) as e:
             return getattr(e, "strerror", None) or str(getattr(e, "message", e)).splitlines()[0][:200]
         return None
-
-    def _agree(self, failed: bool) -> int:
-        """The barrier: one all-reduce over the workers; how many failed."""
-        share = (1.0 if failed else 0.0) / len(self.strategy.extended.worker_devices)  # per local replica
-        total = self.strategy.reduce(tf.distribute.ReduceOp.SUM,
-                                     self.strategy.run(lambda: tf.constant(share)), axis=None)
-        return int(round(float(total)))
 
     def _check_visible(self, directory: str) -> None:
         for task, prefix in zip(self.tasks, self.merging):
