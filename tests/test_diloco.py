@@ -73,6 +73,39 @@ def adamw_clip():
     return keras.optimizers.AdamW(0.01, weight_decay=0.1, global_clipnorm=1.0, epsilon=1e-3)  # eps: tests/test_matrix.py
 
 
+def mean_delta(deltas):
+    """float32 outer gradients: their mean over the replicas (a list per replica)."""
+    return [np.mean([d[i] for d in deltas], axis=0) for i in range(len(deltas[0]))]
+
+
+def diloco_reference(weights, inner, rounds, inner_steps=3, accumulate=1, transmit=mean_delta):
+    """The shared weights after `rounds` rounds, computed one replica at a time on one
+    device: each replica's own optimizer (kept across rounds) takes `inner_steps` steps
+    from the anchor on its own batches; `transmit(deltas)` gives the mean outer gradient
+    as it arrives; Nesterov SGD(0.7, 0.9) applies it to the anchor."""
+    anchor = [tf.Variable(w) for w in weights]
+    outer = keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)
+    inner_states = []
+    for replica in range(2):
+        local = fit_model.build_model()
+        local.set_weights(weights)
+        inner_states.append((local, inner()))
+    steps = rounds * inner_steps * accumulate
+    for round_ in range(rounds):
+        deltas = []
+        for replica, (local, optimizer) in enumerate(inner_states):
+            local.set_weights([a.numpy() for a in anchor])
+            mine = list(replica_batches(replica, 2, steps))[inner_steps * accumulate * round_:]
+            for step in range(inner_steps):
+                with tf.GradientTape() as tape:
+                    loss = tf.add_n([crossentropy()(y, local(x)) for x, y in
+                                     mine[step * accumulate:(step + 1) * accumulate]]) / accumulate
+                optimizer.apply(tape.gradient(loss, local.trainable_variables), local.trainable_variables)
+            deltas.append([a.numpy() - w for a, w in zip(anchor, local.get_weights())])
+        outer.apply(transmit(deltas), anchor)
+    return [a.numpy() for a in anchor]
+
+
 @pytest.mark.parametrize("inner,accumulate", [(sgd, 1), (adamw_clip, 1), (adamw_clip, 2)],
                          ids=["sgd", "adamw_clip", "adamw_clip_accumulate_2"])
 def test_a_round_is_each_replica_on_its_own_batches_then_the_outer_step_on_the_mean_delta(inner, accumulate):
@@ -84,33 +117,85 @@ def test_a_round_is_each_replica_on_its_own_batches_then_the_outer_step_on_the_m
     strategy = mirrored(2)
     model, trainer = trainer_for(strategy, weights, inner, sync=DiLoCo(inner_steps=3), accumulate=accumulate)
     trainer.fit(global_batches(6 * accumulate), steps=6)
-
-    anchor = [tf.Variable(w) for w in weights]
-    outer = keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)
-    inner_states = []
-    for replica in range(2):  # each replica's own optimizer, kept across rounds
-        local = fit_model.build_model()
-        local.set_weights(weights)
-        inner_states.append((local, inner()))
-    for round_ in range(2):
-        deltas = []
-        for replica, (local, optimizer) in enumerate(inner_states):
-            local.set_weights([a.numpy() for a in anchor])
-            mine = list(replica_batches(replica, 2, 6 * accumulate))[3 * accumulate * round_:]
-            for step in range(3):
-                with tf.GradientTape() as tape:
-                    loss = tf.add_n([crossentropy()(y, local(x)) for x, y in
-                                     mine[step * accumulate:(step + 1) * accumulate]]) / accumulate
-                optimizer.apply(tape.gradient(loss, local.trainable_variables), local.trainable_variables)
-            deltas.append([a.numpy() - w for a, w in zip(anchor, local.get_weights())])
-        outer.apply([np.mean([d[i] for d in deltas], axis=0) for i in range(len(anchor))], anchor)
-    expected = [a.numpy() for a in anchor]
+    expected = diloco_reference(weights, inner, rounds=2, accumulate=accumulate)
     assert max(np.abs(a - b).max() for a, b in zip(expected, weights)) > 1e-2
     assert_close(model.get_weights(), expected, tol=1e-5)
     for variable in model.trainable_variables:  # every replica starts the next round from them
         copies = [c.numpy() for _, c in shards.copies(variable)]
         assert len(copies) == 2
         np.testing.assert_array_equal(copies[0], copies[1])
+
+
+class CodedMean:
+    """The outer gradients as a code delivers them, in NumPy (an implementation of its own):
+    each replica's flat gradient plus its remainder, coded; the remainder keeps the rest."""
+
+    def __init__(self, code):
+        self.code, self.remainders = code, [0.0, 0.0]
+
+    def __call__(self, deltas):
+        shapes = [d.shape for d in deltas[0]]
+        flats = [np.concatenate([d.ravel() for d in mine]) + r for mine, r in zip(deltas, self.remainders)]
+        if self.code == "fp16":
+            sent = [np.float16(f / 2) for f in flats]
+            mean = (sent[0] + sent[1]).astype(np.float32)  # summed in float16
+            arrived = [s.astype(np.float32) * 2 for s in sent]
+        else:
+            arrived = [self.blocks(f, 127 if self.code == "int8" else 7) for f in flats]
+            mean = (arrived[0] + arrived[1]) / 2
+        self.remainders = [f - a for f, a in zip(flats, arrived)]
+        cuts = np.cumsum([int(np.prod(s)) for s in shapes])[:-1]
+        return [part.reshape(s) for part, s in zip(np.split(mean, cuts), shapes)]
+
+    @staticmethod
+    def blocks(flat, levels, block=256):
+        padded = np.pad(flat, (0, -len(flat) % block)).reshape(-1, block)
+        scales = (np.abs(padded).max(axis=1) / levels).astype(np.float32)
+        safe = np.where(scales > 0, scales, 1).astype(np.float32)
+        q = np.clip(np.round(padded / safe[:, None]), -levels, levels)  # half to even, as tf.round
+        return (q * scales[:, None]).astype(np.float32).ravel()[:len(flat)]
+
+
+@pytest.mark.parametrize("code", ["fp16", "int8", "int4"])
+def test_coded_outer_gradients_arrive_as_the_code_gives_them_with_the_rest_kept_for_the_next_round(code):
+    """H = 2, 3 rounds, AdamW with a clip: the shared weights are the outer optimizer on
+    the mean of the coded outer gradients, each replica adding what its code left behind
+    last round (error feedback), computed in NumPy (1e-5); the coded run differs from the
+    float32 one (the code does something) and stays near it."""
+    weights = fit_model.initial_weights()
+    strategy = mirrored(2)
+    model, trainer = trainer_for(strategy, weights, adamw_clip, sync=DiLoCo(inner_steps=2, compression=code))
+    trainer.fit(global_batches(6), steps=6)
+    expected = diloco_reference(weights, adamw_clip, rounds=3, inner_steps=2, transmit=CodedMean(code))
+    assert_close(model.get_weights(), expected, tol=1e-5)
+    plain = diloco_reference(weights, adamw_clip, rounds=3, inner_steps=2)
+    off = max(np.abs(a - b).max() for a, b in zip(expected, plain))
+    assert 1e-7 < off < 1e-2, off
+    remainders = [c.numpy() for _, c in shards.copies(trainer._sync.remainder)]  # pylint: disable=protected-access
+    assert not np.array_equal(*remainders)  # each replica keeps its own
+
+
+def test_a_coded_outer_step_gathers_the_analytic_payload():
+    """int4 on 2 replicas: one all-gather of every weight in 4 bits plus a float32 scale
+    per 256 values (and the gather's 8-byte shape exchange), counted from the traced outer
+    step; the wire bytes per step are it spread over the round."""
+    from tfpar.compression import accounting
+    from tfpar.sync import outer_compression
+
+    strategy = mirrored(2)
+    sync = DiLoCo(inner_steps=4, compression="int4")
+    model, trainer = trainer_for(strategy, fit_model.initial_weights(), sgd, sync=sync)
+    size = sum(int(np.prod(w.shape)) for w in model.trainable_weights)
+    found = accounting.collectives(sync._outer_step.get_concrete_function())  # pylint: disable=protected-access
+    assert {c.type for c in found} == {"CollectiveGatherV2"}
+    blocks = -(-size // 256)
+    assert outer_compression.BlockCode(4).payload_bytes(size) == 4 * (blocks + blocks * 256 // 8)
+    shape_exchange = 8  # the all-gather first exchanges its input's shape, [1, W] in int32
+    assert sync.bytes_per_round() == outer_compression.BlockCode(4).payload_bytes(size) + shape_exchange
+    wire = trainer.wire_bytes(strategy.experimental_distribute_dataset(global_batches(1)))
+    assert wire["bytes_per_step"] == sync.bytes_per_round() / 4
+    with pytest.raises(SyncError, match="compression='int2': give one of none, fp16, int8, int4"):
+        DiLoCo(inner_steps=2, compression="int2")
 
 
 def test_no_collective_in_the_inner_steps_and_one_all_reduce_of_the_weights_per_round():
@@ -142,11 +227,14 @@ def test_bad_settings_and_combinations_are_refused_by_name():
                     compression=tfpar.compression.FP16())
 
 
-@pytest.mark.parametrize("stop", [4, pytest.param(6, marks=pytest.mark.slow)], ids=["mid_round", "round_end"])
-def test_a_run_stopped_mid_round_resumes_onto_the_uninterrupted_run(tmp_path, stop):
-    """H = 3, AdamW: stopped at step 4 (mid-round: the replicas' weights and moments differ)
-    or 6, saved by tfpar's Checkpoints, restored into a new Trainer, trained to step 9: the
-    uninterrupted run's weights, every replica's copy (1e-6)."""
+@pytest.mark.parametrize("stop,code,overlap", [(4, None, 0), (4, "int4", 0),
+                                               pytest.param(6, None, 0, marks=pytest.mark.slow)],
+                         ids=["mid_round", "mid_round_int4", "round_end"])
+def test_a_run_stopped_mid_round_resumes_onto_the_uninterrupted_run(tmp_path, stop, code, overlap):
+    """H = 3, AdamW: stopped at step 4 (mid-round: the replicas' weights and moments differ;
+    with int4 outer gradients, their remainders too) or 6, saved by tfpar's Checkpoints, restored into a
+    new Trainer, trained to step 9: the uninterrupted run's weights, every replica's copy
+    (1e-6)."""
     from tfpar.checkpoints import Checkpoints
 
     weights = fit_model.initial_weights()
@@ -154,7 +242,8 @@ def test_a_run_stopped_mid_round_resumes_onto_the_uninterrupted_run(tmp_path, st
     adamw = lambda: keras.optimizers.AdamW(0.01, epsilon=1e-3)  # noqa: E731
 
     def run(start, end, workdir=None):
-        model, trainer = trainer_for(strategy, weights, adamw, sync=DiLoCo(inner_steps=3))
+        model, trainer = trainer_for(strategy, weights, adamw,
+                                     sync=DiLoCo(inner_steps=3, compression=code))
         checkpoints = None if workdir is None else Checkpoints(
             str(workdir), True, model=model, optimizer=trainer.optimizer, **trainer.checkpoint_items())
         if checkpoints is not None and start:
@@ -174,8 +263,8 @@ def test_a_run_stopped_mid_round_resumes_onto_the_uninterrupted_run(tmp_path, st
 
 def test_evaluation_mid_round_reads_the_shared_weights_and_training_goes_on():
     """At step 4 of rounds of 3 the replicas' copies differ; evaluate() scores the anchor
-    (the shared weights: an unsplit model holding them scores the same) and leaves each
-    replica its own copy."""
+    (the shared weights: an unsplit model holding them scores the same), every copy holds
+    the anchor inside `trainer.shared_weights()`, and each replica has its own copy after."""
     weights = fit_model.initial_weights()
     strategy = mirrored(2)
     model, trainer = trainer_for(strategy, weights, sgd, sync=DiLoCo(inner_steps=3))
@@ -189,17 +278,34 @@ def test_evaluation_mid_round_reads_the_shared_weights_and_training_goes_on():
     shared.set_weights([a.numpy() for a in trainer._sync.anchors])  # pylint: disable=protected-access
     expected = float(np.mean(keras.losses.sparse_categorical_crossentropy(y, shared(x), from_logits=True)))
     np.testing.assert_allclose(got["loss"], expected, rtol=1e-5)
+    with trainer.shared_weights():  # what sampling and a save read: the anchor, every copy
+        for variable, anchor in zip(model.trainable_variables, trainer._sync.anchors):  # pylint: disable=protected-access
+            for _, copy in shards.copies(variable):
+                np.testing.assert_array_equal(copy.numpy(), anchor.numpy())
     after = [[c.numpy() for _, c in shards.copies(v)] for v in model.trainable_variables]
     for b, a in zip(before, after):
         for u, v in zip(b, a):
             np.testing.assert_array_equal(u, v)
 
 
+def test_the_progress_line_names_the_rounds_done():
+    from tfpar.callbacks import ProgressLine
+
+    lines = []
+    progress = ProgressLine(60, say=lines.append, round_steps=25)
+    progress.start(0)
+    assert progress.report(50, 1.0)["rounds"] == 2 and "| round 2/2 |" in lines[-1]
+    assert progress.report(60, 1.0)["rounds"] == 2
+    assert "round" not in ProgressLine(60, say=lines.append).report(10, 1.0)
+
+
 @pytest.mark.slow  # three binary runs on 4 replicas: about 3 minutes
 def test_the_binary_trains_with_parallel_sync_diloco_and_resumes_at_its_step(tmp_path):
-    """--config.parallel.sync=diloco --config.parallel.inner_steps=2 on 2 logical CPUs:
-    stopped at step 3 (mid-round) and resumed, it ends at step 6 on the uninterrupted run's
-    weights (1e-5); the progress line says DiLoCo."""
+    """--config.parallel.sync=diloco --config.parallel.inner_steps=2
+    --config.parallel.outer_compression=fp16 on 4 logical CPUs: stopped at step 3
+    (mid-round, after a round's remainders) and resumed, it ends at step 6 on the
+    uninterrupted run's weights and remainders (1e-5); results.json says DiLoCo, its rounds
+    and its code, and a ratio of 4 (an fp16 all-reduce every 2 steps)."""
     from tfpar.config import base_config
     from tfpar.train import train_and_evaluate
     from tfpar.config import validate
@@ -207,7 +313,7 @@ def test_the_binary_trains_with_parallel_sync_diloco_and_resumes_at_its_step(tmp
     def config_for(steps):
         config = base_config()
         config.mode, config.strategy = "loop", "mirrored"  # 4 logical CPUs: 4 replicas
-        config.parallel.update(sync="diloco", inner_steps=2)
+        config.parallel.update(sync="diloco", inner_steps=2, outer_compression="fp16")
         config.model_args.update(dim=32, depth=1, heads=4)
         config.data.seq_len = 16
         config.train.update(steps=steps, batch_size=8, steps_per_loop=1, log_every=1, checkpoint_every=3,
@@ -220,8 +326,9 @@ def test_the_binary_trains_with_parallel_sync_diloco_and_resumes_at_its_step(tmp
     train_and_evaluate(config_for(6), str(tmp_path / "whole"))
     with open(tmp_path / "whole" / "results.json", encoding="utf-8") as f:
         results = json.load(f)
-    assert (results["sync"], results["inner_steps"], results["rounds"]) == ("diloco", 2, 3)
-    assert results["compression_ratio"] == pytest.approx(2.0, rel=1e-3)  # an all-reduce every 2 steps
+    assert (results["sync"], results["inner_steps"], results["rounds"], results["outer_compression"]) == (
+        "diloco", 2, 3, "fp16")
+    assert results["compression_ratio"] == pytest.approx(4.0, rel=1e-3)  # an fp16 all-reduce every 2 steps
     train_and_evaluate(config_for(3), str(tmp_path / "resumed"))
     train_and_evaluate(config_for(6), str(tmp_path / "resumed"))
     a, b = (tf.train.load_checkpoint(tf.train.latest_checkpoint(str(tmp_path / d / "checkpoints")))
@@ -229,6 +336,7 @@ def test_the_binary_trains_with_parallel_sync_diloco_and_resumes_at_its_step(tmp
     names = sorted(n for n in a.get_variable_to_shape_map()
                    if "save_counter" not in n and not n.startswith("_CHECKPOINTABLE"))
     assert any("REPLICA_COPIES" in n for n in names) and any("diloco_anchor" in n for n in names), names
+    assert any("diloco_remainder" in n and "REPLICA_COPIES" in n for n in names), names
     assert names == sorted(n for n in b.get_variable_to_shape_map()
                            if "save_counter" not in n and not n.startswith("_CHECKPOINTABLE"))
     for name in names:
@@ -244,7 +352,10 @@ def test_the_binary_refuses_what_diloco_does_not_compose_with():
             (dict(sync="diloco", shard="optimizer"), "loop", "config.parallel.sync: diloco with shard is not built"),
             (dict(sync="diloco"), "fit", "config.parallel.sync: DiLoCo runs in tfpar's loop"),
             (dict(inner_steps=5), "loop", "config.parallel.inner_steps: applies to parallel.sync=diloco"),
-            (dict(sync="diloco", inner_steps=0), "loop", "config.parallel.inner_steps: must be a positive integer")]:
+            (dict(sync="diloco", inner_steps=0), "loop", "config.parallel.inner_steps: must be a positive integer"),
+            (dict(sync="diloco", outer_compression="int2"), "loop",
+             "config.parallel.outer_compression: must be one of none, fp16, int8, int4"),
+            (dict(outer_compression="int4"), "loop", "config.parallel.outer_compression: applies to parallel.sync")]:
         config = base_config()
         config.mode = mode
         config.parallel.update(**parallel)
@@ -291,10 +402,11 @@ def test_mixed_precision_inner_steps_train_like_float32(policy):
 def test_two_worker_processes_train_and_resume_mid_round_as_two_replicas_do(tmp_path):
     """Under multi_worker_mirrored, one replica per worker process, each worker its own
     slice of each batch: H = 1 with an outer SGD(1) is the workers' synchronous SGD (1e-6);
-    H = 3 (AdamW, 9 steps) is the 2-replica mirrored run of this module (1e-6), the same on
-    both workers; stopped at step 4, where the workers' copies differ, each worker's own
-    copy is written to its own file (checkpoints/workers/worker-k) and read back, and the
-    run resumed to step 9 is the uninterrupted one."""
+    H = 3 (AdamW, int4 outer gradients, 9 steps) is the 2-replica mirrored run of this
+    module (1e-6), the same on both workers; stopped at step 4, where the workers' copies
+    and remainders differ, each worker's own copies are written to its own file
+    (checkpoints/workers/worker-k) and read back, and the run resumed to step 9 is the
+    uninterrupted one."""
     from procs import launch
 
     init = fit_model.initial_weights()
@@ -304,6 +416,7 @@ def test_two_worker_processes_train_and_resume_mid_round_as_two_replicas_do(tmp_
     out = result.stdout
     assert result.returncode == 0, out[-4000:]
     assert out.count("STRATEGY multi_worker_mirrored replicas=2 workers=2") == 2 and out.count("DONE") == 2, out[-4000:]
+    assert out.count("REFUSED True") == 2, out[-4000:]  # a user's own tf.train.Checkpoint
 
     def weights(name, task):
         found = np.load(tmp_path / f"{name}{task}.npz")
@@ -312,7 +425,7 @@ def test_two_worker_processes_train_and_resume_mid_round_as_two_replicas_do(tmp_
     assert_close(weights("h1_", 0), weights("sync", 0))
     assert max(np.abs(a - b).max() for a, b in zip(weights("sync", 0), init)) > 1e-2
     model, trainer = trainer_for(mirrored(2), init, lambda: keras.optimizers.AdamW(0.01, epsilon=1e-3),
-                                 sync=DiLoCo(inner_steps=3))
+                                 sync=DiLoCo(inner_steps=3, compression="int4"))
     trainer.fit(global_batches(9), steps=9)
     for task in (0, 1):
         assert_close(weights("whole", task), model.get_weights())

@@ -109,13 +109,15 @@ class ProgressLine:
       learning_rate: `() -> float`, the current learning rate (None: not shown).
       wire: the run's `WirePhase`s in step order (None or empty: nothing all-reduced).
       say: where the line goes (None: nowhere; the values are still measured).
+      round_steps: DiLoCo's H: the line names the rounds done (`round 12/60`).
     """
 
     def __init__(self, total_steps: int, units_per_step: int = 1, unit: str = "ex",
                  learning_rate: Callable[[], float] | None = None,
                  wire: Sequence[WirePhase] | None = None,
-                 say: Callable[[str], None] | None = logging.info):
+                 say: Callable[[str], None] | None = logging.info, round_steps: int | None = None):
         self.total_steps, self.units_per_step, self.unit = total_steps, units_per_step, unit
+        self.round_steps = round_steps
         self.learning_rate, self.wire, self.say = learning_rate, list(wire or ()), say
         self.last: dict = {}
         self._t0 = self._window_t = None
@@ -142,6 +144,9 @@ class ProgressLine:
         if self.learning_rate is not None:
             values["learning_rate"] = self.learning_rate()
         wire = self._wire(step, seconds, values) if self.wire else ""
+        if self.round_steps:
+            values["rounds"] = step // self.round_steps
+            wire += f" | round {values['rounds']}/{self.total_steps // self.round_steps}"
         self.last, self._window_t, self._window_step = values, now, step
         if self.say is not None:
             lr = f" | lr {values['learning_rate']:.2e}" if "learning_rate" in values else ""

@@ -31,6 +31,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 
 import tensorflow as tf
 from absl import logging
@@ -164,6 +165,10 @@ class Checkpoints:
         return zero_checkpoint.saving(zero_checkpoint.LOCAL)
 
     def _save(self, step: int) -> str | None:
+        with _writing():
+            return self._save_all(step)
+
+    def _save_all(self, step: int) -> str | None:
         if self.per_worker is not None:  # every worker its own file first; the chief's checkpoint
             self.per_worker.save(step, self.max_to_keep)  # names a step all files exist for
         if self.partitions is not None:  # every worker its partitions, then the chief merges
@@ -186,6 +191,25 @@ class Checkpoints:
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         return None
+
+
+_WRITING = threading.local()
+
+
+@contextlib.contextmanager
+def _writing():
+    _WRITING.depth = getattr(_WRITING, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _WRITING.depth -= 1
+
+
+def written_by_checkpoints() -> bool:
+    """Whether tfpar's `Checkpoints` is writing a checkpoint in this thread now (state that
+    differs between workers is then written to each worker's own file, `PerWorker`); a
+    variable whose value differs between workers refuses other writers by it."""
+    return getattr(_WRITING, "depth", 0) > 0
 
 
 class PerWorker:

@@ -13,6 +13,9 @@ checks that refuse a combination at start, naming the key and the fix.
     parallel.inner_steps   diloco: H, the local steps between two outer steps
     parallel.outer_learning_rate, parallel.outer_momentum
                            diloco: the outer Nesterov SGD (the paper's 0.7 and 0.9)
+    parallel.outer_compression
+                           diloco: none | fp16 | int8 | int4, how the outer gradients travel
+                           (with error feedback; tfpar.sync.outer_compression)
 
 Data parallelism is the strategy's: the replicas left after the pipeline's stages or the
 tensor-parallel groups train on different batches; across workers (multi_worker_mirrored)
@@ -35,7 +38,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 REMATS = ("none", "full", "attention")
 SHARDS = ("none", "optimizer", "gradients")
 SYNCS = ("none", "diloco")
-DILOCO_KEYS = ("inner_steps", "outer_learning_rate", "outer_momentum")
+DILOCO_KEYS = ("inner_steps", "outer_learning_rate", "outer_momentum", "outer_compression")
+OUTER_CODES = ("none", "fp16", "int8", "int4")  # tfpar.sync.outer_compression.CODES
 SPLITTABLE_MODELS = ("gpt", "keras_hub")
 PIPELINE_KEYS = ("balance", "schedule", "microbatches", "chunks", "remat")
 
@@ -44,7 +48,8 @@ def parallel_block() -> ml_collections.ConfigDict:
     """The defaults: no pipeline, no tensor parallelism, no sharding (data parallel only)."""
     return ml_collections.ConfigDict(dict(
         stages=1, balance="flops", schedule="gpipe", microbatches=1, chunks=1, remat="none",
-        tensor=1, shard="none", sync="none", inner_steps=1, outer_learning_rate=0.7, outer_momentum=0.9))
+        tensor=1, shard="none", sync="none", inner_steps=1, outer_learning_rate=0.7, outer_momentum=0.9,
+        outer_compression="none"))
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -162,6 +167,8 @@ def _validate_sync(config) -> None:
         return
     _require(isinstance(p.inner_steps, int) and not isinstance(p.inner_steps, bool) and p.inner_steps >= 1,
              "inner_steps", f"must be a positive integer (local steps per round), got {p.inner_steps!r}.")
+    _require(p.outer_compression in OUTER_CODES, "outer_compression",
+             f"must be one of {', '.join(OUTER_CODES)}, got {p.outer_compression!r}.")
     _require(config.mode == "loop", "sync", "DiLoCo runs in tfpar's loop: add --config.mode=loop.")
     others = [k for k in ("stages", "tensor") if p[k] != 1] + (["shard"] if p.shard != "none" else [])
     others += ["compression"] if config.compression not in ("none", None) else []

@@ -9,6 +9,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -257,7 +258,8 @@ def _evaluate(run: _Run) -> dict:
                                                  tensor_parallel=run.config.parallel.tensor)
     data, steps = run.eval_data
     if run.trainer is not None:
-        return run.trainer.evaluate(data, steps)
+        results = run.trainer.evaluate(data, steps)
+        return {**results, "weights": "shared"} if run.config.parallel.sync != "none" else results
     return evaluate(run.model, eval_strategy, data, steps, xla=run.config.train.xla)
 
 
@@ -269,7 +271,8 @@ def _controller(run: _Run, start: int, wire: list | None, writer):
     t = run.config.train
     units = t.batch_size * t.accumulate * (run.config.data.seq_len if run.corpus else 1)
     progress = ProgressLine(t.steps, units, run.unit, lambda: current_learning_rate(run.optimizer),
-                            wire=wire, say=run.say if run.info.is_chief else None)
+                            wire=wire, say=run.say if run.info.is_chief else None,
+                            round_steps=run.config.parallel.inner_steps if run.config.parallel.sync != "none" else None)
     # ps: a dead worker is restarted while the chief goes on; no coordinated save needed
     watch = None if run.asynchronous else preemption.PreemptionWatch(run.strategy)
     return Controller(
@@ -282,8 +285,13 @@ def _controller(run: _Run, start: int, wire: list | None, writer):
 
 def _exchange_name(config) -> str:
     """What crosses the wire, for the wire lines: the compression, or DiLoCo's rounds."""
-    if config.parallel.sync == "diloco":
-        return f"diloco({config.parallel.inner_steps}), outer all-reduce every {config.parallel.inner_steps} steps"
+    p = config.parallel
+    if p.sync == "diloco":
+        if p.outer_compression == "none":
+            return f"diloco({p.inner_steps}), outer all-reduce every {p.inner_steps} steps"
+        collective = "all-reduce" if p.outer_compression == "fp16" else "all-gather"
+        return (f"diloco({p.inner_steps}, {p.outer_compression}), outer {p.outer_compression} "
+                f"{collective} every {p.inner_steps} steps")
     return config.compression
 
 
@@ -311,7 +319,8 @@ def _results(run: _Run, train_seconds: float, progress_last: dict, wire: list | 
                        wire_bytes_sent=progress_last.get("wire_bytes_sent", 0))
     if run.config.parallel.sync != "none":  # DiLoCo: its rounds (each one outer all-reduce)
         h = run.config.parallel.inner_steps
-        results.update(sync=run.config.parallel.sync, inner_steps=h, rounds=t.steps // h)
+        results.update(sync=run.config.parallel.sync, inner_steps=h, rounds=t.steps // h,
+                       outer_compression=run.config.parallel.outer_compression)
     if run.corpus:
         results["unigram_baseline"] = data_lib.unigram_entropy(run.splits.validation)
     with writer.as_default(step=t.steps):
@@ -332,8 +341,9 @@ def _sample(run: _Run) -> None:
     s = run.config.sample
     if not run.corpus or s.length <= 0:
         return
-    text = generate(run_parallel.sampling_model(run.config, run.model), s.prompt, s.length, run.config.data.seq_len, s.temperature,
-                    seed=run.config.seed)
+    with run.trainer.shared_weights() if run.trainer is not None else contextlib.nullcontext():
+        text = generate(run_parallel.sampling_model(run.config, run.model), s.prompt, s.length,
+                        run.config.data.seq_len, s.temperature, seed=run.config.seed)
     run.say("sample:\n" + text)
     if run.info.is_chief:
         with open(os.path.join(run.workdir, "sample.txt"), "w", encoding="utf-8") as f:

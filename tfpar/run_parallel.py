@@ -188,7 +188,7 @@ def sync(config):
     from tfpar.sync import DiLoCo  # pylint: disable=import-outside-toplevel
 
     outer = keras.optimizers.SGD(p.outer_learning_rate, momentum=p.outer_momentum, nesterov=p.outer_momentum > 0)
-    return DiLoCo(inner_steps=p.inner_steps, outer_optimizer=outer)
+    return DiLoCo(inner_steps=p.inner_steps, outer_optimizer=outer, compression=p.outer_compression)
 
 
 def sampling_model(config, model):

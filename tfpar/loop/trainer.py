@@ -505,10 +505,19 @@ class Trainer:
         of (x, y, weight), reduced over all replicas (see tfpar.evaluation). Under
         parameter_server the chief evaluates on its own: `dataset` is then a plain one (or
         one distributed by the default strategy), the variables are read from the ps."""
-        if self._sync is not None:  # DiLoCo: the shared weights, not each replica's own
-            with self._sync.shared_weights():
-                return self._evaluate(dataset, steps)
-        return self._evaluate(dataset, steps)
+        with self.shared_weights():  # DiLoCo: the shared weights, not each replica's own
+            return self._evaluate(dataset, steps)
+
+    def shared_weights(self) -> contextlib.AbstractContextManager:
+        """Inside, the model holds the weights every replica shares (under DiLoCo the outer
+        weights, mid-round too; each replica its own copy again after); otherwise nothing
+        changes. Sample, export or save a DiLoCo model inside it.
+
+        Example:
+            >>> with trainer.shared_weights():
+            ...     model.save_weights("/tmp/shared.weights.h5")
+        """
+        return self._sync.shared_weights() if self._sync is not None else contextlib.nullcontext()
 
     def _evaluate(self, dataset, steps: int) -> dict:
         strategy = tf.distribute.get_strategy() if self._async else self.strategy

@@ -37,6 +37,7 @@ import tensorflow as tf
 
 from tfpar.errors import TfparError
 from tfpar.strategy import private_api
+from tfpar.sync import outer_compression
 
 
 class SyncError(TfparError, ValueError):
@@ -60,10 +61,13 @@ class DiLoCo:
       replicas_per_worker: G consecutive replicas train as one DiLoCo worker, synchronous
         inside (their gradients summed every step, the hierarchical form). Default: each
         process's replicas under several worker processes, else 1 (every replica a worker).
+      compression: how the outer gradients travel: "none" (float32), "fp16", "int8" or
+        "int4" (blocks with a scale each; see tfpar.sync.outer_compression). Every code but
+        float32 keeps what it did not send and adds it to the next round's (error feedback).
     """
 
     def __init__(self, inner_steps: int, outer_optimizer: keras.optimizers.Optimizer | None = None,
-                 replicas_per_worker: int | None = None):
+                 replicas_per_worker: int | None = None, compression: str | None = None):
         if int(inner_steps) != inner_steps or inner_steps < 1:
             raise SyncError(f"DiLoCo inner_steps={inner_steps!r}: give the number of local steps "
                             "per round, an integer >= 1 (the paper: 500; over a slow link 10-50).")
@@ -72,6 +76,8 @@ class DiLoCo:
             raise SyncError(f"DiLoCo replicas_per_worker={replicas_per_worker!r}: give how many "
                             "consecutive replicas train as one DiLoCo worker, an integer >= 1.")
         self.inner_steps = int(inner_steps)
+        self.code = outer_compression.outer_code(compression)
+        self.remainder: keras.Variable | None = None  # error feedback: each replica's own
         self._per_worker_given = replicas_per_worker
         self.replicas_per_worker = 1
         self._worker_groups: list = []
@@ -85,7 +91,8 @@ class DiLoCo:
 
     def __repr__(self) -> str:
         grouped = f", replicas_per_worker={self._per_worker_given}" if self._per_worker_given else ""
-        return f"DiLoCo(inner_steps={self.inner_steps}{grouped})"
+        coded = f", compression={self.code.name!r}" if self.code.name != "none" else ""
+        return f"DiLoCo(inner_steps={self.inner_steps}{grouped}{coded})"
 
     # -- the Trainer's side ----------------------------------------------------------
 
@@ -101,6 +108,9 @@ class DiLoCo:
             self.outer_optimizer = (default_outer_optimizer() if given is None
                                     else type(given).from_config(given.get_config()))
             self.outer_optimizer.build(self.anchors)
+            if self.code.error_feedback:  # one flat vector: every weight's remainder
+                size = sum(int(v.shape.num_elements()) for v in self._variables)
+                self.remainder = keras.Variable(tf.zeros([size]), trainable=False, name="diloco_remainder")
         self._outer_step = tf.function(self._outer_step_fn)
 
     def keep_replica_copies(self, variables: Sequence) -> None:
@@ -113,6 +123,7 @@ class DiLoCo:
         tfpar.checkpoints.Checkpoints saves and restores per worker)."""
         from tfpar.strategy.replicas import spans_workers  # pylint: disable=import-outside-toplevel
 
+        variables = [*variables, *([self.remainder] if self.remainder is not None else [])]
         if spans_workers(self.strategy):
             self.worker_copies = WorkerCopies(variables, self.strategy)
             return
@@ -193,8 +204,8 @@ class DiLoCo:
                     copy.assign(value)
 
     def bytes_per_round(self) -> float:
-        """Bytes one replica hands to the outer step's all-reduce (counted from its traced
-        graph: every weight's delta, float32)."""
+        """Bytes one replica hands to the outer step's collective (counted from its traced
+        graph: every weight's delta, in the code's format)."""
         from tfpar.compression import accounting  # pylint: disable=import-outside-toplevel
 
         return accounting.bytes_per_replica(self._outer_step.get_concrete_function())
@@ -203,6 +214,8 @@ class DiLoCo:
         """The anchor and the outer optimizer, by name; across workers also this worker's
         replicas' copies (`diloco_worker_copies`, written to a file of its own)."""
         items = {"diloco_anchor": _Anchor(self.anchors), "diloco_outer_optimizer": self.outer_optimizer}
+        if self.remainder is not None:
+            items["diloco_remainder"] = _Anchor([self.remainder], "diloco_remainder")
         if self.worker_copies is not None:
             items["diloco_worker_copies"] = self.worker_copies
         return items
@@ -214,7 +227,12 @@ class DiLoCo:
 
         def outer_update():  # replica context: this replica's copy of each weight
             deltas = [tf.convert_to_tensor(a) - tf.convert_to_tensor(v) for a, v in zip(anchors, variables)]
-            mean = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.MEAN, deltas)
+            own = None if self.remainder is None else private_api.local_component(self.remainder)
+            with tf.name_scope("diloco/outer"):
+                mean, left = self.code.mean(tf.distribute.get_replica_context(), deltas,
+                                            None if own is None else own.read_value())
+            if own is not None:
+                own.assign(left)  # this replica's remainder, added to its next round's
             self.outer_optimizer.apply(mean, anchors)  # the same mean on every replica's copy
 
         with private_api.trainer_step(self.outer_optimizer):  # summed already: no second all-reduce
@@ -247,11 +265,43 @@ def _keep_copies(variable) -> None:
     private_api.set_checkpoint_hooks(variable, serialize, restore)
 
 
+def _refuse_other_writers(variable) -> None:
+    """Across worker processes a DiLoCo variable differs between workers, and a checkpoint
+    written by another writer than tfpar's `Checkpoints` (a user's tf.train.Checkpoint)
+    would keep one worker's copy, which a restore gives to all: refused by name when it is
+    written. A restore assigns every local copy, as TensorFlow's own would."""
+    from tfpar.checkpoints import written_by_checkpoints  # pylint: disable=import-outside-toplevel
+    from tfpar.tensor_parallel.shards import copies  # pylint: disable=import-outside-toplevel
+
+    local = [c for _, c in copies(variable)]
+    host = tf.DeviceSpec.from_string(local[0].device).replace(device_type="CPU", device_index=0).to_string()
+    name = getattr(variable, "name", "a variable")
+
+    def value():
+        if not written_by_checkpoints():
+            raise SyncError(
+                f"DiLoCo across worker processes: {name} holds a different value on each worker, and "
+                "this checkpoint would keep one worker's, which a restore gives to every worker (a "
+                "different run, silently). Save with tfpar.checkpoints.Checkpoints(workdir, is_chief, "
+                "model=..., optimizer=..., **trainer.checkpoint_items()), which writes each worker's own "
+                "copies to its own file; to export the shared model, call Keras's model.save_weights "
+                "inside `with trainer.shared_weights():`.")
+        return local[0].read_value()
+
+    def serialize():
+        return {"VARIABLE_VALUE": private_api.save_spec(value, variable.dtype, host)}
+
+    def restore(restored: dict):
+        return tf.group([copy.assign(restored["VARIABLE_VALUE"]) for copy in local])
+
+    private_api.set_checkpoint_hooks(variable, serialize, restore)
+
+
 class _Anchor(tf.Module):
     """The anchor's variables as one checkpointable object."""
 
-    def __init__(self, anchors):
-        super().__init__(name="diloco_anchor")
+    def __init__(self, anchors, name: str = "diloco_anchor"):
+        super().__init__(name=name)
         self.variables_list = list(anchors)
 
 
@@ -273,6 +323,8 @@ class WorkerCopies(tf.__internal__.tracking.Trackable):
 
         self.strategy = strategy
         self._locals = [[c for _, c in copies(getattr(v, "value", v))] for v in variables]
+        for variable in variables:
+            _refuse_other_writers(getattr(variable, "value", variable))
 
     def _serialize_to_tensors(self):
         return {f"copies_{i}": tf.stack([c.read_value() for c in local]) for i, local in enumerate(self._locals)}
