@@ -175,6 +175,66 @@ def test_coded_outer_gradients_arrive_as_the_code_gives_them_with_the_rest_kept_
     assert not np.array_equal(*remainders)  # each replica keeps its own
 
 
+def overlapped_reference(weights, inner, steps, inner_steps, overlap, transmit=mean_delta):
+    """(shared weights, each replica's weights) after `steps` steps of DiLoCo with its
+    exchange overlapping `overlap` steps, one replica at a time on one device: at a round's
+    end t each replica's delta is taken; after step t + overlap the outer optimizer applies
+    the mean and each replica's weights become the new anchor plus what its own steps since
+    t moved them."""
+    anchor = [tf.Variable(w) for w in weights]
+    outer = keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)
+    replicas = []
+    for replica in range(2):
+        local = fit_model.build_model()
+        local.set_weights(weights)
+        replicas.append((local, inner(), list(replica_batches(replica, 2, steps))))
+    deltas = None
+    for step in range(1, steps + 1):
+        for local, optimizer, batches in replicas:
+            x, y = batches[step - 1]
+            with tf.GradientTape() as tape:
+                loss = crossentropy()(y, local(x))
+            optimizer.apply(tape.gradient(loss, local.trainable_variables), local.trainable_variables)
+        if step % inner_steps == 0:
+            deltas = [[a.numpy() - w for a, w in zip(anchor, local.get_weights())] for local, _, _ in replicas]
+        elif step > overlap and (step - overlap) % inner_steps == 0:
+            old = [a.numpy() for a in anchor]
+            outer.apply(transmit(deltas), anchor)
+            for (local, _, _), delta in zip(replicas, deltas):
+                local.set_weights([a.numpy() + w - o + d for a, w, o, d in zip(anchor, local.get_weights(), old, delta)])
+    return [a.numpy() for a in anchor], [local.get_weights() for local, _, _ in replicas]
+
+
+@pytest.mark.parametrize("overlap,code", [(1, None), (2, "int4")], ids=["overlap_1", "overlap_2_int4"])
+def test_an_overlapped_exchange_applies_tau_steps_later_keeping_each_replicas_progress(overlap, code):
+    """H = 3, AdamW with a clip, 8 steps (rounds end at 3 and 6; their outer steps apply
+    after 3 + tau and 6 + tau): every replica's copy and the shared weights equal the
+    reference schedule computed one replica at a time (1e-5), int4's error feedback too;
+    the round's collective is in the loop's call that runs the steps after the round's end,
+    and in no other."""
+    from tfpar.compression import accounting
+
+    weights = fit_model.initial_weights()
+    strategy = mirrored(2)
+    sync = DiLoCo(inner_steps=3, overlap_steps=overlap, compression=code)
+    model, trainer = trainer_for(strategy, weights, adamw_clip, sync=sync)
+    trainer.fit(global_batches(8), steps=8)
+    shared, locals_ = overlapped_reference(weights, adamw_clip, 8, 3, overlap,
+                                           transmit=CodedMean(code) if code else mean_delta)
+    assert max(np.abs(a - b).max() for a, b in zip(shared, weights)) > 1e-2
+    assert_close([a.numpy() for a in sync.anchors], shared, tol=1e-5)
+    for index, variable in enumerate(model.trainable_variables):
+        for replica, copy in shards.copies(variable):
+            np.testing.assert_allclose(copy.numpy(), locals_[replica][index], rtol=1e-5, atol=1e-5)
+    dataset = strategy.experimental_distribute_dataset(global_batches(2))
+    args = (iter(dataset), tf.constant(1), trainer._phase(0))  # pylint: disable=protected-access
+    beside = accounting.collectives(trainer._train_loop_exchanging.get_concrete_function(*args))  # pylint: disable=protected-access
+    assert [c for c in beside if c.type in ("CollectiveGatherV2", "CollectiveReduceV2") and (c.bytes or 0) > 64]
+    assert not [c for c in accounting.collectives(trainer.traced_step(dataset)) if (c.bytes or 0) > 64]
+    with pytest.raises(SyncError, match="overlap_steps=3 with inner_steps=3"):
+        DiLoCo(inner_steps=3, overlap_steps=3)
+
+
 def test_a_coded_outer_step_gathers_the_analytic_payload():
     """int4 on 2 replicas: one all-gather of every weight in 4 bits plus a float32 scale
     per 256 values (and the gather's 8-byte shape exchange), counted from the traced outer
@@ -227,12 +287,13 @@ def test_bad_settings_and_combinations_are_refused_by_name():
                     compression=tfpar.compression.FP16())
 
 
-@pytest.mark.parametrize("stop,code,overlap", [(4, None, 0), (4, "int4", 0),
+@pytest.mark.parametrize("stop,code,overlap", [(4, None, 0), (4, "int4", 0), (4, "int4", 2),
                                                pytest.param(6, None, 0, marks=pytest.mark.slow)],
-                         ids=["mid_round", "mid_round_int4", "round_end"])
+                         ids=["mid_round", "mid_round_int4", "in_flight_int4", "round_end"])
 def test_a_run_stopped_mid_round_resumes_onto_the_uninterrupted_run(tmp_path, stop, code, overlap):
     """H = 3, AdamW: stopped at step 4 (mid-round: the replicas' weights and moments differ;
-    with int4 outer gradients, their remainders too) or 6, saved by tfpar's Checkpoints, restored into a
+    with int4 outer gradients, their remainders too; with an exchange overlapping 2 steps,
+    the round ended at 3 is in flight) or 6, saved by tfpar's Checkpoints, restored into a
     new Trainer, trained to step 9: the uninterrupted run's weights, every replica's copy
     (1e-6)."""
     from tfpar.checkpoints import Checkpoints
@@ -243,7 +304,7 @@ def test_a_run_stopped_mid_round_resumes_onto_the_uninterrupted_run(tmp_path, st
 
     def run(start, end, workdir=None):
         model, trainer = trainer_for(strategy, weights, adamw,
-                                     sync=DiLoCo(inner_steps=3, compression=code))
+                                     sync=DiLoCo(inner_steps=3, compression=code, overlap_steps=overlap))
         checkpoints = None if workdir is None else Checkpoints(
             str(workdir), True, model=model, optimizer=trainer.optimizer, **trainer.checkpoint_items())
         if checkpoints is not None and start:
@@ -355,7 +416,9 @@ def test_the_binary_refuses_what_diloco_does_not_compose_with():
             (dict(sync="diloco", inner_steps=0), "loop", "config.parallel.inner_steps: must be a positive integer"),
             (dict(sync="diloco", outer_compression="int2"), "loop",
              "config.parallel.outer_compression: must be one of none, fp16, int8, int4"),
-            (dict(outer_compression="int4"), "loop", "config.parallel.outer_compression: applies to parallel.sync")]:
+            (dict(outer_compression="int4"), "loop", "config.parallel.outer_compression: applies to parallel.sync"),
+            (dict(sync="diloco", inner_steps=4, overlap_steps=4), "loop",
+             r"config.parallel.overlap_steps: must be an integer from 0 to inner_steps - 1 \(3\)")]:
         config = base_config()
         config.mode = mode
         config.parallel.update(**parallel)

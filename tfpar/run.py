@@ -287,11 +287,12 @@ def _exchange_name(config) -> str:
     """What crosses the wire, for the wire lines: the compression, or DiLoCo's rounds."""
     p = config.parallel
     if p.sync == "diloco":
+        overlapped = f", each beside the next {p.overlap_steps} steps" if p.overlap_steps else ""
         if p.outer_compression == "none":
-            return f"diloco({p.inner_steps}), outer all-reduce every {p.inner_steps} steps"
+            return f"diloco({p.inner_steps}), outer all-reduce every {p.inner_steps} steps{overlapped}"
         collective = "all-reduce" if p.outer_compression == "fp16" else "all-gather"
         return (f"diloco({p.inner_steps}, {p.outer_compression}), outer {p.outer_compression} "
-                f"{collective} every {p.inner_steps} steps")
+                f"{collective} every {p.inner_steps} steps{overlapped}")
     return config.compression
 
 
@@ -320,7 +321,8 @@ def _results(run: _Run, train_seconds: float, progress_last: dict, wire: list | 
     if run.config.parallel.sync != "none":  # DiLoCo: its rounds (each one outer all-reduce)
         h = run.config.parallel.inner_steps
         results.update(sync=run.config.parallel.sync, inner_steps=h, rounds=t.steps // h,
-                       outer_compression=run.config.parallel.outer_compression)
+                       outer_compression=run.config.parallel.outer_compression,
+                       overlap_steps=run.config.parallel.overlap_steps)
     if run.corpus:
         results["unigram_baseline"] = data_lib.unigram_entropy(run.splits.validation)
     with writer.as_default(step=t.steps):

@@ -188,7 +188,8 @@ def sync(config):
     from tfpar.sync import DiLoCo  # pylint: disable=import-outside-toplevel
 
     outer = keras.optimizers.SGD(p.outer_learning_rate, momentum=p.outer_momentum, nesterov=p.outer_momentum > 0)
-    return DiLoCo(inner_steps=p.inner_steps, outer_optimizer=outer, compression=p.outer_compression)
+    return DiLoCo(inner_steps=p.inner_steps, outer_optimizer=outer, compression=p.outer_compression,
+                  overlap_steps=p.overlap_steps)
 
 
 def sampling_model(config, model):

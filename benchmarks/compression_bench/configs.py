@@ -120,10 +120,12 @@ CONFIGS: dict[str, Entry] = {
 #: DiLoCo's configurations (`--config.parallel.sync=diloco`): H local steps of the config's
 #: AdamW, then the outer SGD on the mean delta. (H, outer learning rate, outer momentum,
 #: outer code): the paper's Nesterov 0.7 / 0.9, and plain averaging (1.0, none: local SGD);
-#: `+int8` / `+int4` / `+fp16`: the outer gradients in that code, with error feedback
-DILOCO = {**{f"diloco({h})": (h, 0.7, 0.9, "none") for h in (10, 25, 50)},
-          **{f"diloco({h})+avg": (h, 1.0, 0.0, "none") for h in (5, 10, 25)},
-          **{f"diloco({h})+avg+{code}": (h, 1.0, 0.0, code) for h in (5, 10, 25) for code in ("fp16", "int8", "int4")}}
+#: `+int8` / `+int4` / `+fp16`: the outer gradients in that code, with error feedback;
+#: `+overlap(tau)`: each round's exchange beside the next tau steps
+DILOCO = {**{f"diloco({h})": (h, 0.7, 0.9, "none", 0) for h in (10, 25, 50)},
+          **{f"diloco({h})+avg": (h, 1.0, 0.0, "none", 0) for h in (5, 10, 25)},
+          **{f"diloco({h})+avg+{code}": (h, 1.0, 0.0, code, 0) for h in (5, 10, 25) for code in ("fp16", "int8", "int4")},
+          **{f"diloco({h})+avg+int4+overlap({tau})": (h, 1.0, 0.0, "int4", tau) for h in (5, 10) for tau in (1, 2)}}
 CONFIGS.update({name: Entry("none", {}, False) for name in DILOCO})
 
 # --config.optimizer.* where a configuration trains with another optimizer than the config
@@ -138,9 +140,9 @@ def diloco_settings(name: str) -> dict:
     """config.parallel's DiLoCo keys for `name` ({} when it is not DiLoCo's)."""
     if name not in DILOCO:
         return {}
-    steps, rate, momentum, code = DILOCO[name]
+    steps, rate, momentum, code, overlap = DILOCO[name]
     return {"sync": "diloco", "inner_steps": steps, "outer_learning_rate": rate, "outer_momentum": momentum,
-            "outer_compression": code}
+            "outer_compression": code, "overlap_steps": overlap}
 
 
 def _entry(name: str) -> Entry:

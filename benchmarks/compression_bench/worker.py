@@ -65,7 +65,7 @@ def _wire(trainer, compression, train_data, replicas: int, steps: int) -> dict:
     link = accounting.link_bytes_per_worker(step, replicas)
     sync = trainer._sync  # pylint: disable=protected-access
     if sync is not None:  # DiLoCo: its outer step's all-reduce, spread over its round
-        outer = sync._outer_step.get_concrete_function()  # pylint: disable=protected-access
+        outer = sync.traced_exchange()
         sent += sync.bytes_per_round() / sync.inner_steps
         link += accounting.link_bytes_per_worker(outer, replicas, in_loops_only=False) / sync.inner_steps
     return {"bytes_per_step": sent, "fp32_bytes_per_step": dense, "ratio": dense / sent,

@@ -219,6 +219,7 @@ class Trainer:
         self._forward_backward = ForwardBackward(model, loss, self.strategy, accumulate, placement, self.xla)
         self._compute = self._forward_backward.compiled  # the pure, compiled pass
         self._train_loop = tf.function(self._train_loop_fn, reduce_retracing=True)
+        self._train_loop_exchanging = tf.function(self._exchanging_loop_fn, reduce_retracing=True)
         # The coordinator binds only tensor arguments: its function has no phase argument.
         self._scheduled_loop = tf.function(lambda iterator, steps: self._train_loop_fn(iterator, steps))
 
@@ -306,6 +307,13 @@ class Trainer:
                 return self._async_steps(iterator, steps)
             return self._synchronous_steps(iterator, steps)
 
+    def _exchanging_loop_fn(self, iterator, steps, phase=None):
+        """The loop's steps with DiLoCo's overlapped exchange beside them: its collective
+        reads what each replica sent at the round's end and writes the mean it receives,
+        no variable the steps touch, so TensorFlow runs it while the steps compute."""
+        self._sync.exchange()
+        return self._train_loop_fn(iterator, steps, phase)
+
     def _async_steps(self, iterator, steps):
         """parameter_server: one replica per worker, so the reduce is local."""
         total = tf.constant(0.0)
@@ -342,12 +350,11 @@ class Trainer:
         loss. Under DiLoCo (`sync`) the calls are cut at the rounds' ends, where its outer
         step runs."""
         if self._sync is not None:
-            cuts = [self.step, *self._sync.round_ends(self.step, self.step + steps), self.step + steps]
+            cuts = [self.step, *self._sync.cuts(self.step, self.step + steps), self.step + steps]
             total = 0.0
             for n in (b - a for a, b in zip(cuts, cuts[1:])):
                 total += self._train_call(iterator, n) * n
-                if self._sync.is_round_end(self.step):
-                    self._sync.outer_step()
+                self._sync.after_call(self.step)
             return total / steps
         return self._train_call(iterator, steps)
 
@@ -357,7 +364,10 @@ class Trainer:
             loss = float(parameter_server.fetch(self._async.coordinator.schedule(
                 self._scheduled_loop, args=(iterator, tf.constant(steps)))))
         else:
-            loss, bad, first = self._train_loop(iterator, tf.constant(steps), self._phase(self.step))
+            loop = self._train_loop
+            if self._sync is not None and self._sync.launches(self.step):  # DiLoCo's exchange beside it
+                loop = self._train_loop_exchanging
+            loss, bad, first = loop(iterator, tf.constant(steps), self._phase(self.step))
             if self._batch_check is not None:
                 self._batch_check.raise_if_differed()
             self._guard.after_call(bad, first, self.step)
@@ -405,7 +415,7 @@ class Trainer:
     def _chunks(self, start: int, end: int) -> list[int]:
         """Step counts per tf.function call: steps_per_loop, cut at phase boundaries (with a
         controller, `fit` takes the controller's plan instead, cut at its intervals too)."""
-        rounds = self._sync.round_ends(start, end) if self._sync is not None else ()
+        rounds = self._sync.cuts(start, end) if self._sync is not None else ()
         cuts = sorted({*range(start, end, self.steps_per_loop), end, *rounds,
                        *(b for b in self._boundaries() if start < b < end)})
         return [b - a for a, b in zip(cuts, cuts[1:])]

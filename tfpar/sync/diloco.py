@@ -64,10 +64,17 @@ class DiLoCo:
       compression: how the outer gradients travel: "none" (float32), "fp16", "int8" or
         "int4" (blocks with a scale each; see tfpar.sync.outer_compression). Every code but
         float32 keeps what it did not send and adds it to the next round's (error feedback).
+      overlap_steps: tau, 0 <= tau < H. 0: each round's exchange runs between two steps, and
+        every step waits for it. tau > 0: the outer gradients of the round ending at step t
+        travel during steps t + 1 .. t + tau (their collective runs beside those steps'
+        compute in one TensorFlow call), and the outer step applies after step t + tau,
+        keeping each replica's progress since t: its weights become the new anchor plus
+        what its own tau steps moved them.
     """
 
     def __init__(self, inner_steps: int, outer_optimizer: keras.optimizers.Optimizer | None = None,
-                 replicas_per_worker: int | None = None, compression: str | None = None):
+                 replicas_per_worker: int | None = None, compression: str | None = None,
+                 overlap_steps: int = 0):
         if int(inner_steps) != inner_steps or inner_steps < 1:
             raise SyncError(f"DiLoCo inner_steps={inner_steps!r}: give the number of local steps "
                             "per round, an integer >= 1 (the paper: 500; over a slow link 10-50).")
@@ -75,7 +82,13 @@ class DiLoCo:
                                                 or replicas_per_worker < 1):
             raise SyncError(f"DiLoCo replicas_per_worker={replicas_per_worker!r}: give how many "
                             "consecutive replicas train as one DiLoCo worker, an integer >= 1.")
+        if int(overlap_steps) != overlap_steps or not 0 <= overlap_steps < inner_steps:
+            raise SyncError(f"DiLoCo overlap_steps={overlap_steps!r} with inner_steps={inner_steps}: give "
+                            "the steps a round's exchange overlaps, an integer from 0 (none) to inner_steps - 1.")
         self.inner_steps = int(inner_steps)
+        self.overlap_steps = int(overlap_steps)
+        self._in_flight: list = []  # overlap: this replica's delta and what it sends, then what arrived
+        self._launched_round = None  # the round end whose exchange this process has launched
         self.code = outer_compression.outer_code(compression)
         self.remainder: keras.Variable | None = None  # error feedback: each replica's own
         self._per_worker_given = replicas_per_worker
@@ -92,7 +105,8 @@ class DiLoCo:
     def __repr__(self) -> str:
         grouped = f", replicas_per_worker={self._per_worker_given}" if self._per_worker_given else ""
         coded = f", compression={self.code.name!r}" if self.code.name != "none" else ""
-        return f"DiLoCo(inner_steps={self.inner_steps}{grouped}{coded})"
+        overlapped = f", overlap_steps={self.overlap_steps}" if self.overlap_steps else ""
+        return f"DiLoCo(inner_steps={self.inner_steps}{grouped}{coded}{overlapped})"
 
     # -- the Trainer's side ----------------------------------------------------------
 
@@ -108,10 +122,18 @@ class DiLoCo:
             self.outer_optimizer = (default_outer_optimizer() if given is None
                                     else type(given).from_config(given.get_config()))
             self.outer_optimizer.build(self.anchors)
+            size = sum(int(v.shape.num_elements()) for v in self._variables)
             if self.code.error_feedback:  # one flat vector: every weight's remainder
-                size = sum(int(v.shape.num_elements()) for v in self._variables)
                 self.remainder = keras.Variable(tf.zeros([size]), trainable=False, name="diloco_remainder")
+            if self.overlap_steps:  # this replica's delta at the round's end, what it sends, the mean
+                shape, dtype = self.code.sent_spec(size)
+                self._in_flight = [keras.Variable(tf.zeros([size]), trainable=False, name="diloco_delta"),
+                                   keras.Variable(tf.zeros(shape, dtype), trainable=False, dtype=dtype.name,
+                                                  name="diloco_sent"),
+                                   keras.Variable(tf.zeros([size]), trainable=False, name="diloco_arrived")]
         self._outer_step = tf.function(self._outer_step_fn)
+        self._snapshot = tf.function(self._snapshot_fn)
+        self._apply = tf.function(self._apply_fn)
 
     def keep_replica_copies(self, variables: Sequence) -> None:
         """Checkpoints each replica's own copy of `variables` (the weights and the inner
@@ -123,7 +145,7 @@ class DiLoCo:
         tfpar.checkpoints.Checkpoints saves and restores per worker)."""
         from tfpar.strategy.replicas import spans_workers  # pylint: disable=import-outside-toplevel
 
-        variables = [*variables, *([self.remainder] if self.remainder is not None else [])]
+        variables = [*variables, *([self.remainder] if self.remainder is not None else []), *self._in_flight[:2]]
         if spans_workers(self.strategy):
             self.worker_copies = WorkerCopies(variables, self.strategy)
             return
@@ -175,12 +197,51 @@ class DiLoCo:
                     strategy, [list(range(w, w + size)) for w in range(0, replicas, size)])
 
     def round_ends(self, start: int, end: int) -> list[int]:
-        """The steps in (start, end) at which a round ends (the loop cuts its calls there)."""
+        """The steps in (start, end) at which a round ends."""
         first = (start // self.inner_steps + 1) * self.inner_steps
         return list(range(first, end, self.inner_steps))
 
+    def cuts(self, start: int, end: int) -> list[int]:
+        """The steps in (start, end) after which the loop must end a call: round ends and,
+        with overlap, the steps at which a round's outer step applies."""
+        ends = self.round_ends(start, end)
+        if self.overlap_steps:
+            applies = self.round_ends(start - self.overlap_steps, end - self.overlap_steps)
+            ends = sorted({*ends, *(t + self.overlap_steps for t in applies if t > 0)})
+        return ends
+
     def is_round_end(self, step: int) -> bool:
         return step > 0 and step % self.inner_steps == 0
+
+    def after_call(self, step: int) -> None:
+        """What follows a call of the loop that ended after step `step`: a round's end
+        runs the outer step (with overlap: takes the round's delta and codes it); with
+        overlap, step t + tau applies the outer step of the round that ended at t."""
+        if self.is_round_end(step):
+            self._snapshot() if self.overlap_steps else self._outer_step()  # pylint: disable=expression-not-assigned
+        elif self.overlap_steps and step > self.overlap_steps and self.is_round_end(step - self.overlap_steps):
+            self._apply()
+
+    def launches(self, step: int) -> bool:
+        """Whether the call that starts after step `step` carries a round's exchange (each
+        round's once per process: a restored run launches it again from the saved sends)."""
+        last_end = step // self.inner_steps * self.inner_steps
+        if not self.overlap_steps or last_end == 0 or step >= last_end + self.overlap_steps \
+                or self._launched_round == last_end:
+            return False
+        self._launched_round = last_end
+        return True
+
+    def exchange(self) -> None:
+        """The collective of the round's exchange (inside the loop's call, beside its steps):
+        every replica's sent code -> the mean outer gradient, in `arrived`."""
+        def exchange_one():
+            delta, sent, arrived = (private_api.local_component(v) for v in self._in_flight)
+            with tf.name_scope("diloco/outer"):
+                arrived.assign(self.code.exchange(tf.distribute.get_replica_context(), sent.read_value(),
+                                                  int(delta.shape[0])))
+
+        self.strategy.run(exchange_one)
 
     def outer_step(self) -> None:
         """Averages the replicas' deltas, applies the outer optimizer to the anchor and
@@ -208,7 +269,12 @@ class DiLoCo:
         graph: every weight's delta, in the code's format)."""
         from tfpar.compression import accounting  # pylint: disable=import-outside-toplevel
 
-        return accounting.bytes_per_replica(self._outer_step.get_concrete_function())
+        return accounting.bytes_per_replica(self.traced_exchange())
+
+    def traced_exchange(self):
+        """The concrete function whose collective carries a round's outer gradients (the
+        outer step; with overlap, the exchange the loop runs beside its steps)."""
+        return (tf.function(self.exchange) if self.overlap_steps else self._outer_step).get_concrete_function()
 
     def checkpoint_items(self) -> dict:
         """The anchor and the outer optimizer, by name; across workers also this worker's
@@ -216,6 +282,8 @@ class DiLoCo:
         items = {"diloco_anchor": _Anchor(self.anchors), "diloco_outer_optimizer": self.outer_optimizer}
         if self.remainder is not None:
             items["diloco_remainder"] = _Anchor([self.remainder], "diloco_remainder")
+        if self._in_flight:  # the round in flight: each replica's delta and what it sends
+            items["diloco_in_flight"] = _Anchor(self._in_flight[:2], "diloco_in_flight")
         if self.worker_copies is not None:
             items["diloco_worker_copies"] = self.worker_copies
         return items
@@ -239,6 +307,43 @@ class DiLoCo:
             strategy.run(outer_update)
         for variable, anchor in zip(variables, anchors):
             variable.assign(anchor)  # cross-replica: every copy
+
+    def _snapshot_fn(self):
+        """Overlap, at a round's end: each replica's delta (anchor - weights), and its coded
+        send (with its remainder kept)."""
+        def snapshot():
+            flat = outer_compression.flatten([tf.convert_to_tensor(a) - tf.convert_to_tensor(v)
+                                              for a, v in zip(self.anchors, self._variables)])
+            delta, sent, _ = (private_api.local_component(v) for v in self._in_flight)
+            own = None if self.remainder is None else private_api.local_component(self.remainder)
+            coded = flat if own is None else flat + own.read_value()
+            message, decoded = self.code.encode(coded, self.strategy.num_replicas_in_sync)
+            delta.assign(flat)
+            sent.assign(message)
+            if own is not None:
+                own.assign(coded - decoded)
+
+        self.strategy.run(snapshot)
+
+    def _apply_fn(self):
+        """Overlap, tau steps after a round's end: the outer optimizer on the mean that
+        arrived; each replica's weights become the new anchor plus its progress since the
+        round's end (weights now - (old anchor - its delta))."""
+        variables, anchors = self._variables, self.anchors
+
+        def apply():
+            delta, _, arrived = (private_api.local_component(v) for v in self._in_flight)
+            old = [tf.identity(tf.convert_to_tensor(a)) for a in anchors]
+            mean = outer_compression.unflatten(arrived.read_value(), old)
+            with tf.control_dependencies(old):
+                self.outer_optimizer.apply(mean, anchors)
+            since = outer_compression.unflatten(delta.read_value(), old)
+            for variable, anchor, before, moved in zip(variables, anchors, old, since):
+                own = private_api.local_component(variable)
+                own.assign(tf.convert_to_tensor(anchor) + own.read_value() - before + moved)
+
+        with private_api.trainer_step(self.outer_optimizer):
+            self.strategy.run(apply)
 
 
 REPLICA_COPIES = "REPLICA_COPIES"

@@ -33,7 +33,11 @@ BLOCK = 256  # values per scale: 1/8 of a bit per value for the float32 scale
 
 
 class OuterCode:
-    """float32: the mean by one all-reduce, nothing kept behind."""
+    """float32: the mean by one all-reduce, nothing kept behind.
+
+    A code is two halves, so that its collective can run apart from its coding (DiLoCo's
+    overlapped exchange): `encode` (local: what this replica sends, what that decodes to)
+    and `exchange` (the collective and the decoding: the mean over replicas)."""
 
     name = "none"
     error_feedback = False
@@ -41,7 +45,23 @@ class OuterCode:
     def mean(self, context, deltas: Sequence[tf.Tensor], remainder: tf.Tensor | None):
         """(the mean over replicas of `deltas` as this code delivers it, this replica's new
         remainder or None). `remainder`: a flat float32 vector of every delta's size."""
-        return context.all_reduce(tf.distribute.ReduceOp.MEAN, list(deltas)), None
+        if not self.error_feedback:  # float32: one batched all-reduce of the tensors as they are
+            return context.all_reduce(tf.distribute.ReduceOp.MEAN, list(deltas)), None
+        flat = flatten(deltas) + remainder
+        sent, decoded = self.encode(flat, context.num_replicas_in_sync)
+        return unflatten(self.exchange(context, sent, flat.shape[0]), deltas), flat - decoded
+
+    def encode(self, flat: tf.Tensor, replicas: int) -> tuple[tf.Tensor, tf.Tensor]:
+        """(what this replica sends for the flat vector `flat`, what that decodes to)."""
+        return flat, flat
+
+    def exchange(self, context, sent: tf.Tensor, size: int) -> tf.Tensor:
+        """The mean over replicas of what they sent, decoded: float32 [size]."""
+        return context.all_reduce(tf.distribute.ReduceOp.MEAN, sent)
+
+    def sent_spec(self, size: int) -> tuple[list[int], tf.DType]:
+        """The shape and dtype of what `encode` gives for `size` values."""
+        return [size], tf.float32
 
     def payload_bytes(self, size: int) -> int:
         """Bytes one replica hands to collectives for `size` values."""
@@ -57,12 +77,15 @@ class HalfCode(OuterCode):
     name = "fp16"
     error_feedback = True
 
-    def mean(self, context, deltas, remainder):
-        replicas = context.num_replicas_in_sync
-        flat = _flatten(deltas) + remainder
+    def encode(self, flat, replicas):
         sent = tf.cast(flat / replicas, tf.float16)
-        total = context.all_reduce(tf.distribute.ReduceOp.SUM, sent)
-        return _unflatten(tf.cast(total, tf.float32), deltas), flat - tf.cast(sent, tf.float32) * replicas
+        return sent, tf.cast(sent, tf.float32) * replicas
+
+    def exchange(self, context, sent, size):
+        return tf.cast(context.all_reduce(tf.distribute.ReduceOp.SUM, sent), tf.float32)
+
+    def sent_spec(self, size):
+        return [size], tf.float16
 
     def payload_bytes(self, size):
         return 2 * size
@@ -86,7 +109,10 @@ class BlockCode(OuterCode):
     def payload_bytes(self, size):
         return 4 * self.payload_words(size)
 
-    def encode(self, flat: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    def sent_spec(self, size):
+        return [self.payload_words(size)], tf.int32
+
+    def encode(self, flat: tf.Tensor, replicas: int = 1) -> tuple[tf.Tensor, tf.Tensor]:
         """(int32 words, what they decode to) for a flat float32 vector."""
         size = flat.shape[0]
         blocks = tf.reshape(tf.pad(flat, [[0, packing.words_for(size, BLOCK) * BLOCK - size]]), [-1, BLOCK])
@@ -107,14 +133,11 @@ class BlockCode(OuterCode):
         values = tf.reshape(tf.cast(values, tf.float32), [-1, blocks, BLOCK]) * scales[:, :, None]
         return tf.reshape(values, [tf.shape(words)[0], count])[:, :size]
 
-    def mean(self, context, deltas, remainder):
+    def exchange(self, context, sent, size):
         from tfpar.compression.collectives import all_gather_words  # pylint: disable=import-outside-toplevel
 
-        flat = _flatten(deltas) + remainder
-        words, decoded = self.encode(flat)
-        everyone = all_gather_words(context, words[None])                          # [R, W]
-        mean = tf.reduce_mean(self.decode(everyone, flat.shape[0]), axis=0)
-        return _unflatten(mean, deltas), flat - decoded
+        everyone = all_gather_words(context, sent[None])                           # [R, W]
+        return tf.reduce_mean(self.decode(everyone, size), axis=0)
 
 
 CODES = ("none", "fp16", "int8", "int4")
@@ -157,10 +180,10 @@ def unpack_int4(words: tf.Tensor, count: int) -> tf.Tensor:
     return flat[..., :count]
 
 
-def _flatten(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
+def flatten(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
     return tf.concat([tf.reshape(t, [-1]) for t in tensors], 0)
 
 
-def _unflatten(flat: tf.Tensor, like: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+def unflatten(flat: tf.Tensor, like: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     sizes = [int(t.shape.num_elements()) for t in like]
     return [tf.reshape(part, t.shape) for part, t in zip(tf.split(flat, sizes), like)]
