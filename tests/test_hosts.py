@@ -379,9 +379,11 @@ def test_hybrid_over_hosts_x_pipeline_on_each_hosts_cpus(tmp_path):
 @pytest.mark.multiprocess
 def test_diloco_through_the_binary_over_a_20_mbit_link_resumes_at_its_step(tmp_path):
     """Two hosts on a 20 Mbit/s link train reverse_tiny with `parallel.sync=diloco` (rounds
-    of 5 steps) to step 10, each worker writing its own copy beside the checkpoint, then
-    resume to step 20 from step 10."""
-    args = ["--config.mode=loop", "--config.parallel.sync=diloco", "--config.parallel.inner_steps=5"]
+    of 5 steps, int4 outer gradients, each exchange beside the next 2 steps) to step 11,
+    with a round in flight, each worker writing its own copies beside the checkpoint, then
+    resume to step 20 from step 11."""
+    args = ["--config.mode=loop", "--config.parallel.sync=diloco", "--config.parallel.inner_steps=5",
+            "--config.parallel.outer_compression=int4", "--config.parallel.overlap_steps=2"]
 
     def run(steps):
         procs = [hosts.popen(i, [sys.executable, *_train_args(tmp_path, steps=steps, checkpoint_every=10), *args],
@@ -392,11 +394,11 @@ def test_diloco_through_the_binary_over_a_20_mbit_link_resumes_at_its_step(tmp_p
         return outs
 
     with Hosts(2, rate="20mbit") as hosts:
-        first = run(10)
-        assert "DiLoCo: 5 local steps per round" in first[0]
+        first = run(11)
+        assert "DiLoCo: 5 local steps per round" in first[0] and "each exchange beside the next 2 steps" in first[0]
         for task in ("worker-0", "worker-1"):
-            assert (tmp_path / "checkpoints" / "workers" / task / "ckpt-10.index").exists()
+            assert (tmp_path / "checkpoints" / "workers" / task / "ckpt-11.index").exists()
         second = run(20)
-    assert "resuming from step 10" in second[0]
+    assert "resuming from step 11" in second[0]
     assert (tmp_path / "checkpoints" / "ckpt-20.index").exists()
     assert (tmp_path / "checkpoints" / "workers" / "worker-1" / "ckpt-20.index").exists()

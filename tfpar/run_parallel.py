@@ -214,6 +214,9 @@ def describe(config, stage_plan) -> str | None:
     if p.shard != "none":
         parts.append(f"sharded {p.shard} state")
     if p.sync == "diloco":
+        coded = f", outer gradients in {p.outer_compression}" if p.outer_compression != "none" else ""
+        overlapped = f", each exchange beside the next {p.overlap_steps} steps" if p.overlap_steps else ""
         parts.append(f"DiLoCo: {p.inner_steps} local steps per round, outer Nesterov SGD "
-                     f"({p.outer_learning_rate}, momentum {p.outer_momentum}); evaluation reads the shared weights")
+                     f"({p.outer_learning_rate}, momentum {p.outer_momentum}){coded}{overlapped}; evaluation "
+                     "reads the shared weights")
     return "parallel: " + "; ".join(parts) if parts else None
