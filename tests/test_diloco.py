@@ -171,38 +171,55 @@ def test_coded_outer_gradients_arrive_as_the_code_gives_them_with_the_rest_kept_
     plain = diloco_reference(weights, adamw_clip, rounds=3, inner_steps=2)
     off = max(np.abs(a - b).max() for a, b in zip(expected, plain))
     assert 1e-7 < off < 1e-2, off
-    remainders = [c.numpy() for _, c in shards.copies(trainer._sync.remainder)]  # pylint: disable=protected-access
+    remainders = [c.numpy() for _, c in shards.copies(trainer._sync.remainders[0])]  # pylint: disable=protected-access
     assert not np.array_equal(*remainders)  # each replica keeps its own
 
 
-def overlapped_reference(weights, inner, steps, inner_steps, overlap, transmit=mean_delta):
-    """(shared weights, each replica's weights) after `steps` steps of DiLoCo with its
-    exchange overlapping `overlap` steps, one replica at a time on one device: at a round's
-    end t each replica's delta is taken; after step t + overlap the outer optimizer applies
-    the mean and each replica's weights become the new anchor plus what its own steps since
-    t moved them."""
+def streaming_reference(weights, inner, steps, inner_steps, overlap=0, fragments=None, transmit=lambda: mean_delta):
+    """(shared weights, each replica's weights) after `steps` steps of DiLoCo, one replica
+    at a time on one device. `fragments`: lists of weight indices (default: one, every
+    weight); fragment f's rounds end at the steps f * H // F (mod H), and its outer
+    gradients go through its own `transmit()`. At a round's end t each replica's delta of
+    the fragment is taken; after step t + overlap the outer optimizer applies the mean to
+    the fragment's anchor and each replica's weights of it become the new anchor plus what
+    its own steps since t moved them (overlap 0: the anchor itself)."""
+    fragments = fragments or [list(range(len(weights)))]
+    offsets = [f * inner_steps // len(fragments) for f in range(len(fragments))]
+    codes = [transmit() for _ in fragments]
     anchor = [tf.Variable(w) for w in weights]
     outer = keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)
+    outer.build(anchor)  # a momentum per weight; each fragment's update applies its own
     replicas = []
     for replica in range(2):
         local = fit_model.build_model()
         local.set_weights(weights)
         replicas.append((local, inner(), list(replica_batches(replica, 2, steps))))
-    deltas = None
+    pending = {}
     for step in range(1, steps + 1):
         for local, optimizer, batches in replicas:
             x, y = batches[step - 1]
             with tf.GradientTape() as tape:
                 loss = crossentropy()(y, local(x))
             optimizer.apply(tape.gradient(loss, local.trainable_variables), local.trainable_variables)
-        if step % inner_steps == 0:
-            deltas = [[a.numpy() - w for a, w in zip(anchor, local.get_weights())] for local, _, _ in replicas]
-        elif step > overlap and (step - overlap) % inner_steps == 0:
-            old = [a.numpy() for a in anchor]
-            outer.apply(transmit(deltas), anchor)
-            for (local, _, _), delta in zip(replicas, deltas):
-                local.set_weights([a.numpy() + w - o + d for a, w, o, d in zip(anchor, local.get_weights(), old, delta)])
+        for f, indices in enumerate(fragments):
+            if (step - offsets[f]) % inner_steps == 0:
+                pending[f] = [[anchor[i].numpy() - local.get_weights()[i] for i in indices] for local, _, _ in replicas]
+            if step - overlap > 0 and (step - overlap - offsets[f]) % inner_steps == 0:
+                deltas = pending.pop(f)
+                old = [anchor[i].numpy() for i in indices]
+                outer.apply(codes[f](deltas), [anchor[i] for i in indices])
+                for (local, _, _), delta in zip(replicas, deltas):
+                    now = local.get_weights()
+                    for i, o, d in zip(indices, old, delta):
+                        now[i] = anchor[i].numpy() + now[i] - o + d
+                    local.set_weights(now)
     return [a.numpy() for a in anchor], [local.get_weights() for local, _, _ in replicas]
+
+
+def assert_every_copy(model, expected_per_replica, tol=1e-5):
+    for index, variable in enumerate(model.trainable_variables):
+        for replica, copy in shards.copies(variable):
+            np.testing.assert_allclose(copy.numpy(), expected_per_replica[replica][index], rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("overlap,code", [(1, None), (2, "int4")], ids=["overlap_1", "overlap_2_int4"])
@@ -219,13 +236,11 @@ def test_an_overlapped_exchange_applies_tau_steps_later_keeping_each_replicas_pr
     sync = DiLoCo(inner_steps=3, overlap_steps=overlap, compression=code)
     model, trainer = trainer_for(strategy, weights, adamw_clip, sync=sync)
     trainer.fit(global_batches(8), steps=8)
-    shared, locals_ = overlapped_reference(weights, adamw_clip, 8, 3, overlap,
-                                           transmit=CodedMean(code) if code else mean_delta)
+    shared, locals_ = streaming_reference(weights, adamw_clip, 8, 3, overlap,
+                                          transmit=(lambda: CodedMean(code)) if code else (lambda: mean_delta))
     assert max(np.abs(a - b).max() for a, b in zip(shared, weights)) > 1e-2
     assert_close([a.numpy() for a in sync.anchors], shared, tol=1e-5)
-    for index, variable in enumerate(model.trainable_variables):
-        for replica, copy in shards.copies(variable):
-            np.testing.assert_allclose(copy.numpy(), locals_[replica][index], rtol=1e-5, atol=1e-5)
+    assert_every_copy(model, locals_)
     dataset = strategy.experimental_distribute_dataset(global_batches(2))
     args = (iter(dataset), tf.constant(1), trainer._phase(0))  # pylint: disable=protected-access
     beside = accounting.collectives(trainer._train_loop_exchanging.get_concrete_function(*args))  # pylint: disable=protected-access
@@ -233,6 +248,61 @@ def test_an_overlapped_exchange_applies_tau_steps_later_keeping_each_replicas_pr
     assert not [c for c in accounting.collectives(trainer.traced_step(dataset)) if (c.bytes or 0) > 64]
     with pytest.raises(SyncError, match="overlap_steps=3 with inner_steps=3"):
         DiLoCo(inner_steps=3, overlap_steps=3)
+
+
+def test_fragments_are_consecutive_blocks_of_about_equal_size():
+    from tfpar.sync.diloco import fragment_blocks
+
+    assert fragment_blocks([4, 4, 1, 7], 2) == [[0, 1], [2, 3]]
+    assert fragment_blocks([100, 1, 1], 3) == [[0], [1], [2]]  # every block holds a variable
+    sizes = [int(np.prod(w.shape)) for w in fit_model.initial_weights()]
+    for count in (1, 2, 3, 5):
+        blocks = fragment_blocks(sizes, count)
+        assert len(blocks) == count and [i for b in blocks for i in b] == list(range(len(sizes)))
+        for block in blocks:
+            assert abs(sum(sizes[i] for i in block) - sum(sizes) / count) < max(sizes)
+
+
+@pytest.mark.parametrize("fragments,inner_steps,overlap,code", [(2, 4, 0, None), (3, 6, 2, "int4")],
+                         ids=["F2_H4", "F3_H6_overlap_2_int4"])
+def test_streaming_fragments_are_each_exchanged_on_their_own_steps_as_the_reference_schedule(
+        fragments, inner_steps, overlap, code):
+    """Streaming DiLoCo, AdamW with a clip, 12 steps: fragment f's round ends after the
+    steps f * H // F (mod H) and no others (its outer step, or with overlap its snapshot,
+    runs there: recorded); each fragment's exchange carries its own weights only (bytes
+    counted from its traced graph = the code's payload for the fragment's size); the shared
+    weights and every replica's copy equal the schedule computed one replica at a time in
+    NumPy, each fragment with its own code and remainder (1e-5)."""
+    from tfpar.compression import accounting
+    from tfpar.sync import outer_compression
+
+    weights = fit_model.initial_weights()
+    strategy = mirrored(2)
+    sync = DiLoCo(inner_steps=inner_steps, fragments=fragments, overlap_steps=overlap, compression=code)
+    model, trainer = trainer_for(strategy, weights, adamw_clip, sync=sync)
+    ran = []
+    name = "_snapshot" if overlap else "_outer_step"
+    real = getattr(sync, name)
+    setattr(sync, name, lambda f: (ran.append((trainer.step, f)), real(f))[1])
+    trainer.fit(global_batches(12), steps=12)
+    setattr(sync, name, real)
+    offsets = [f * inner_steps // fragments for f in range(fragments)]
+    assert ran == [(t, f) for t in range(1, 13) for f in range(fragments) if (t - offsets[f]) % inner_steps == 0]
+    assert len({t for t, _ in ran}) == len(ran)  # one fragment a round end
+    shared, locals_ = streaming_reference(weights, adamw_clip, 12, inner_steps, overlap, sync.fragment_variables,
+                                          transmit=(lambda: CodedMean(code)) if code else (lambda: mean_delta))
+    assert max(np.abs(a - b).max() for a, b in zip(shared, weights)) > 1e-2
+    assert_close([a.numpy() for a in sync.anchors], shared, tol=1e-5)
+    assert_every_copy(model, locals_)
+    sizes = [int(np.prod(w.shape)) for w in weights]
+    shape_exchange = 8 if code else 0  # an all-gather first exchanges its input's shape
+    traced = sync.traced_exchanges()
+    assert len(traced) == fragments
+    for indices, exchange in zip(sync.fragment_variables, traced):
+        payload = outer_compression.outer_code(code).payload_bytes(sum(sizes[i] for i in indices))
+        assert accounting.bytes_per_replica(exchange) == payload + shape_exchange
+    wire = trainer.wire_bytes(strategy.experimental_distribute_dataset(global_batches(1)))
+    assert wire["bytes_per_step"] == pytest.approx(sync.bytes_per_round() / inner_steps)
 
 
 def test_a_coded_outer_step_gathers_the_analytic_payload():
@@ -246,7 +316,7 @@ def test_a_coded_outer_step_gathers_the_analytic_payload():
     sync = DiLoCo(inner_steps=4, compression="int4")
     model, trainer = trainer_for(strategy, fit_model.initial_weights(), sgd, sync=sync)
     size = sum(int(np.prod(w.shape)) for w in model.trainable_weights)
-    found = accounting.collectives(sync._outer_step.get_concrete_function())  # pylint: disable=protected-access
+    found = accounting.collectives(sync.traced_exchanges()[0])
     assert {c.type for c in found} == {"CollectiveGatherV2"}
     blocks = -(-size // 256)
     assert outer_compression.BlockCode(4).payload_bytes(size) == 4 * (blocks + blocks * 256 // 8)
@@ -272,14 +342,18 @@ def test_no_collective_in_the_inner_steps_and_one_all_reduce_of_the_weights_per_
     sync = DiLoCo(inner_steps=2)
     _, trainer = trainer_for(strategy, fit_model.initial_weights(), sgd, sync=sync)
     assert accounting.collectives(trainer.traced_step(dataset)) == []
-    outer = [c for c in accounting.collectives(sync._outer_step.get_concrete_function())  # pylint: disable=protected-access
-             if c.type == "CollectiveReduceV2"]
+    outer = [c for c in accounting.collectives(sync.traced_exchanges()[0]) if c.type == "CollectiveReduceV2"]
     assert sum(c.bytes for c in outer) == 2 * weight_bytes
 
 
 def test_bad_settings_and_combinations_are_refused_by_name():
     with pytest.raises(SyncError, match="inner_steps=0: give the number of local steps"):
         DiLoCo(inner_steps=0)
+    for fragments in (0, 5, 1.5):
+        with pytest.raises(SyncError, match=f"fragments={fragments!r} with inner_steps=4: .* from 1 to inner_steps"):
+            DiLoCo(inner_steps=4, fragments=fragments)
+    with pytest.raises(SyncError, match="fragments=20: the model has 19 trainable variable"):
+        trainer_for(mirrored(2), fit_model.initial_weights(), sgd, sync=DiLoCo(inner_steps=20, fragments=20))
     with pytest.raises(SyncError, match=r"DiLoCo\(inner_steps=2\) with shard: .* Use one of them"):
         trainer_for(mirrored(2), fit_model.initial_weights(), sgd, sync=DiLoCo(inner_steps=2), shard="optimizer")
     with pytest.raises(SyncError, match="with compression or an aggregator"):
@@ -296,6 +370,27 @@ def test_a_run_stopped_mid_round_resumes_onto_the_uninterrupted_run(tmp_path, st
     the round ended at 3 is in flight) or 6, saved by tfpar's Checkpoints, restored into a
     new Trainer, trained to step 9: the uninterrupted run's weights, every replica's copy
     (1e-6)."""
+    assert_resumes_onto_the_uninterrupted_run(
+        tmp_path, lambda: DiLoCo(inner_steps=3, compression=code, overlap_steps=overlap), stop, 9)
+
+
+@pytest.mark.parametrize("stop,in_flight", [(1, 0), (5, 1), (6, 2)], ids=["none_in_flight", "one", "two"])
+def test_streaming_resumes_onto_the_uninterrupted_run_whatever_is_in_flight(tmp_path, stop, in_flight):
+    """2 fragments, H = 4 (rounds end at 4, 8, ... and 2, 6, ...), int4, each exchange
+    beside the next 3 steps: stopped at step 1 (nothing in flight), 5 (fragment 0's round
+    ended at 4) or 6 (that one and fragment 1's ended at 6), resumed to step 12: the
+    uninterrupted run's weights, every replica's copy (1e-6)."""
+    def streaming():
+        return DiLoCo(inner_steps=4, fragments=2, compression="int4", overlap_steps=3)
+
+    sync = streaming()
+    assert len(sync.launches(stop)) == in_flight  # what the restored run launches again
+    assert_resumes_onto_the_uninterrupted_run(tmp_path, streaming, stop, 12)
+
+
+def assert_resumes_onto_the_uninterrupted_run(tmp_path, make_sync, stop, steps):
+    """AdamW; one run of `steps` steps, and one stopped at `stop`, saved by tfpar's
+    Checkpoints, restored into a new Trainer and trained on: equal, every replica's copy."""
     from tfpar.checkpoints import Checkpoints
 
     weights = fit_model.initial_weights()
@@ -303,20 +398,19 @@ def test_a_run_stopped_mid_round_resumes_onto_the_uninterrupted_run(tmp_path, st
     adamw = lambda: keras.optimizers.AdamW(0.01, epsilon=1e-3)  # noqa: E731
 
     def run(start, end, workdir=None):
-        model, trainer = trainer_for(strategy, weights, adamw,
-                                     sync=DiLoCo(inner_steps=3, compression=code, overlap_steps=overlap))
+        model, trainer = trainer_for(strategy, weights, adamw, sync=make_sync())
         checkpoints = None if workdir is None else Checkpoints(
             str(workdir), True, model=model, optimizer=trainer.optimizer, **trainer.checkpoint_items())
         if checkpoints is not None and start:
             assert checkpoints.restore() == start
-        trainer.fit(global_batches(9).skip(start), steps=end, start_step=start)
+        trainer.fit(global_batches(steps).skip(start), steps=end, start_step=start)
         if checkpoints is not None:
             checkpoints.save(end)
         return model
 
-    whole = run(0, 9)
+    whole = run(0, steps)
     run(0, stop, tmp_path)
-    resumed = run(stop, 9, tmp_path)
+    resumed = run(stop, steps, tmp_path)
     for a, b in zip(resumed.trainable_variables, whole.trainable_variables):
         for (_, x), (_, y) in zip(shards.copies(a), shards.copies(b)):
             np.testing.assert_allclose(x.numpy(), y.numpy(), rtol=TOL, atol=TOL, err_msg=a.path)
@@ -363,10 +457,11 @@ def test_the_progress_line_names_the_rounds_done():
 @pytest.mark.slow  # three binary runs on 4 replicas: about 3 minutes
 def test_the_binary_trains_with_parallel_sync_diloco_and_resumes_at_its_step(tmp_path):
     """--config.parallel.sync=diloco --config.parallel.inner_steps=2
-    --config.parallel.outer_compression=fp16 on 4 logical CPUs: stopped at step 3
-    (mid-round, after a round's remainders) and resumed, it ends at step 6 on the
-    uninterrupted run's weights and remainders (1e-5); results.json says DiLoCo, its rounds
-    and its code, and a ratio of 4 (an fp16 all-reduce every 2 steps)."""
+    --config.parallel.outer_compression=fp16 --config.parallel.fragments=2 on 4 logical
+    CPUs: stopped at step 3 (mid-round, after rounds of each fragment with their
+    remainders) and resumed, it ends at step 6 on the uninterrupted run's weights and
+    remainders (1e-5); results.json says DiLoCo, its rounds, fragments and code, and a ratio
+    of 4 (half the model in fp16 every step)."""
     from tfpar.config import base_config
     from tfpar.train import train_and_evaluate
     from tfpar.config import validate
@@ -374,7 +469,7 @@ def test_the_binary_trains_with_parallel_sync_diloco_and_resumes_at_its_step(tmp
     def config_for(steps):
         config = base_config()
         config.mode, config.strategy = "loop", "mirrored"  # 4 logical CPUs: 4 replicas
-        config.parallel.update(sync="diloco", inner_steps=2, outer_compression="fp16")
+        config.parallel.update(sync="diloco", inner_steps=2, outer_compression="fp16", fragments=2)
         config.model_args.update(dim=32, depth=1, heads=4)
         config.data.seq_len = 16
         config.train.update(steps=steps, batch_size=8, steps_per_loop=1, log_every=1, checkpoint_every=3,
@@ -387,8 +482,8 @@ def test_the_binary_trains_with_parallel_sync_diloco_and_resumes_at_its_step(tmp
     train_and_evaluate(config_for(6), str(tmp_path / "whole"))
     with open(tmp_path / "whole" / "results.json", encoding="utf-8") as f:
         results = json.load(f)
-    assert (results["sync"], results["inner_steps"], results["rounds"], results["outer_compression"]) == (
-        "diloco", 2, 3, "fp16")
+    assert (results["sync"], results["inner_steps"], results["rounds"], results["outer_compression"],
+            results["fragments"]) == ("diloco", 2, 3, "fp16", 2)
     assert results["compression_ratio"] == pytest.approx(4.0, rel=1e-3)  # an fp16 all-reduce every 2 steps
     train_and_evaluate(config_for(3), str(tmp_path / "resumed"))
     train_and_evaluate(config_for(6), str(tmp_path / "resumed"))
@@ -397,7 +492,7 @@ def test_the_binary_trains_with_parallel_sync_diloco_and_resumes_at_its_step(tmp
     names = sorted(n for n in a.get_variable_to_shape_map()
                    if "save_counter" not in n and not n.startswith("_CHECKPOINTABLE"))
     assert any("REPLICA_COPIES" in n for n in names) and any("diloco_anchor" in n for n in names), names
-    assert any("diloco_remainder" in n and "REPLICA_COPIES" in n for n in names), names
+    assert len([n for n in names if "diloco_remainder" in n and "REPLICA_COPIES" in n]) == 2, names
     assert names == sorted(n for n in b.get_variable_to_shape_map()
                            if "save_counter" not in n and not n.startswith("_CHECKPOINTABLE"))
     for name in names:
@@ -418,7 +513,10 @@ def test_the_binary_refuses_what_diloco_does_not_compose_with():
              "config.parallel.outer_compression: must be one of none, fp16, int8, int4"),
             (dict(outer_compression="int4"), "loop", "config.parallel.outer_compression: applies to parallel.sync"),
             (dict(sync="diloco", inner_steps=4, overlap_steps=4), "loop",
-             r"config.parallel.overlap_steps: must be an integer from 0 to inner_steps - 1 \(3\)")]:
+             r"config.parallel.overlap_steps: must be an integer from 0 to inner_steps - 1 \(3\)"),
+            (dict(sync="diloco", inner_steps=4, fragments=5), "loop",
+             r"config.parallel.fragments: must be an integer from 1 to inner_steps \(4\), got 5"),
+            (dict(fragments=2), "loop", "config.parallel.fragments: applies to parallel.sync=diloco")]:
         config = base_config()
         config.mode = mode
         config.parallel.update(**parallel)

@@ -379,11 +379,12 @@ def test_hybrid_over_hosts_x_pipeline_on_each_hosts_cpus(tmp_path):
 @pytest.mark.multiprocess
 def test_diloco_through_the_binary_over_a_20_mbit_link_resumes_at_its_step(tmp_path):
     """Two hosts on a 20 Mbit/s link train reverse_tiny with `parallel.sync=diloco` (rounds
-    of 5 steps, int4 outer gradients, each exchange beside the next 2 steps) to step 11,
-    with a round in flight, each worker writing its own copies beside the checkpoint, then
-    resume to step 20 from step 11."""
+    of 5 steps, the model in 2 fragments, int4 outer gradients, each exchange beside the
+    next 2 steps) to step 11, with fragment 0's round (ended at 10) in flight, each worker
+    writing its own copies beside the checkpoint, then resume to step 20 from step 11."""
     args = ["--config.mode=loop", "--config.parallel.sync=diloco", "--config.parallel.inner_steps=5",
-            "--config.parallel.outer_compression=int4", "--config.parallel.overlap_steps=2"]
+            "--config.parallel.outer_compression=int4", "--config.parallel.overlap_steps=2",
+            "--config.parallel.fragments=2"]
 
     def run(steps):
         procs = [hosts.popen(i, [sys.executable, *_train_args(tmp_path, steps=steps, checkpoint_every=10), *args],
@@ -395,7 +396,7 @@ def test_diloco_through_the_binary_over_a_20_mbit_link_resumes_at_its_step(tmp_p
 
     with Hosts(2, rate="20mbit") as hosts:
         first = run(11)
-        assert "DiLoCo: 5 local steps per round" in first[0] and "each exchange beside the next 2 steps" in first[0]
+        assert "DiLoCo: 5 local steps per round" in first[0] and "each exchange beside the next 2 steps, the model in 2 fragments" in first[0]
         for task in ("worker-0", "worker-1"):
             assert (tmp_path / "checkpoints" / "workers" / task / "ckpt-11.index").exists()
         second = run(20)

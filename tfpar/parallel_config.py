@@ -17,6 +17,8 @@ checks that refuse a combination at start, naming the key and the fix.
                            diloco: none | fp16 | int8 | int4, how the outer gradients travel
                            (with error feedback; tfpar.sync.outer_compression)
     parallel.overlap_steps diloco: tau, the steps a round's exchange overlaps (0: none)
+    parallel.fragments     diloco: F, blocks of layers exchanged on steps of their own
+                           (Streaming DiLoCo; 1: the whole model at once)
 
 Data parallelism is the strategy's: the replicas left after the pipeline's stages or the
 tensor-parallel groups train on different batches; across workers (multi_worker_mirrored)
@@ -39,7 +41,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 REMATS = ("none", "full", "attention")
 SHARDS = ("none", "optimizer", "gradients")
 SYNCS = ("none", "diloco")
-DILOCO_KEYS = ("inner_steps", "outer_learning_rate", "outer_momentum", "outer_compression", "overlap_steps")
+DILOCO_KEYS = ("inner_steps", "outer_learning_rate", "outer_momentum", "outer_compression", "overlap_steps",
+               "fragments")
 OUTER_CODES = ("none", "fp16", "int8", "int4")  # tfpar.sync.outer_compression.CODES
 SPLITTABLE_MODELS = ("gpt", "keras_hub")
 PIPELINE_KEYS = ("balance", "schedule", "microbatches", "chunks", "remat")
@@ -50,7 +53,7 @@ def parallel_block() -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(dict(
         stages=1, balance="flops", schedule="gpipe", microbatches=1, chunks=1, remat="none",
         tensor=1, shard="none", sync="none", inner_steps=1, outer_learning_rate=0.7, outer_momentum=0.9,
-        outer_compression="none", overlap_steps=0))
+        outer_compression="none", overlap_steps=0, fragments=1))
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -171,6 +174,9 @@ def _validate_sync(config) -> None:
     _require(isinstance(p.overlap_steps, int) and not isinstance(p.overlap_steps, bool)
              and 0 <= p.overlap_steps < p.inner_steps, "overlap_steps",
              f"must be an integer from 0 to inner_steps - 1 ({p.inner_steps - 1}), got {p.overlap_steps!r}.")
+    _require(isinstance(p.fragments, int) and not isinstance(p.fragments, bool)
+             and 1 <= p.fragments <= p.inner_steps, "fragments",
+             f"must be an integer from 1 to inner_steps ({p.inner_steps}), got {p.fragments!r}.")
     _require(p.outer_compression in OUTER_CODES, "outer_compression",
              f"must be one of {', '.join(OUTER_CODES)}, got {p.outer_compression!r}.")
     _require(config.mode == "loop", "sync", "DiLoCo runs in tfpar's loop: add --config.mode=loop.")

@@ -288,6 +288,8 @@ def _exchange_name(config) -> str:
     p = config.parallel
     if p.sync == "diloco":
         overlapped = f", each beside the next {p.overlap_steps} steps" if p.overlap_steps else ""
+        if p.fragments > 1:
+            overlapped = f" (1/{p.fragments} of the model every {p.inner_steps / p.fragments:g}){overlapped}"
         if p.outer_compression == "none":
             return f"diloco({p.inner_steps}), outer all-reduce every {p.inner_steps} steps{overlapped}"
         collective = "all-reduce" if p.outer_compression == "fp16" else "all-gather"
@@ -322,7 +324,7 @@ def _results(run: _Run, train_seconds: float, progress_last: dict, wire: list | 
         h = run.config.parallel.inner_steps
         results.update(sync=run.config.parallel.sync, inner_steps=h, rounds=t.steps // h,
                        outer_compression=run.config.parallel.outer_compression,
-                       overlap_steps=run.config.parallel.overlap_steps)
+                       overlap_steps=run.config.parallel.overlap_steps, fragments=run.config.parallel.fragments)
     if run.corpus:
         results["unigram_baseline"] = data_lib.unigram_entropy(run.splits.validation)
     with writer.as_default(step=t.steps):

@@ -189,7 +189,7 @@ def sync(config):
 
     outer = keras.optimizers.SGD(p.outer_learning_rate, momentum=p.outer_momentum, nesterov=p.outer_momentum > 0)
     return DiLoCo(inner_steps=p.inner_steps, outer_optimizer=outer, compression=p.outer_compression,
-                  overlap_steps=p.overlap_steps)
+                  overlap_steps=p.overlap_steps, fragments=p.fragments)
 
 
 def sampling_model(config, model):
@@ -216,6 +216,8 @@ def describe(config, stage_plan) -> str | None:
     if p.sync == "diloco":
         coded = f", outer gradients in {p.outer_compression}" if p.outer_compression != "none" else ""
         overlapped = f", each exchange beside the next {p.overlap_steps} steps" if p.overlap_steps else ""
+        if p.fragments > 1:
+            overlapped += f", the model in {p.fragments} fragments exchanged in turn"
         parts.append(f"DiLoCo: {p.inner_steps} local steps per round, outer Nesterov SGD "
                      f"({p.outer_learning_rate}, momentum {p.outer_momentum}){coded}{overlapped}; evaluation "
                      "reads the shared weights")

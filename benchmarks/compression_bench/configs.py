@@ -121,11 +121,16 @@ CONFIGS: dict[str, Entry] = {
 #: AdamW, then the outer SGD on the mean delta. (H, outer learning rate, outer momentum,
 #: outer code): the paper's Nesterov 0.7 / 0.9, and plain averaging (1.0, none: local SGD);
 #: `+int8` / `+int4` / `+fp16`: the outer gradients in that code, with error feedback;
-#: `+overlap(tau)`: each round's exchange beside the next tau steps
-DILOCO = {**{f"diloco({h})": (h, 0.7, 0.9, "none", 0) for h in (10, 25, 50)},
-          **{f"diloco({h})+avg": (h, 1.0, 0.0, "none", 0) for h in (5, 10, 25)},
-          **{f"diloco({h})+avg+{code}": (h, 1.0, 0.0, code, 0) for h in (5, 10, 25) for code in ("fp16", "int8", "int4")},
-          **{f"diloco({h})+avg+int4+overlap({tau})": (h, 1.0, 0.0, "int4", tau) for h in (5, 10) for tau in (1, 2)}}
+#: `+overlap(tau)`: each round's exchange beside the next tau steps; `+streaming(F)`: the
+#: model in F fragments, each exchanged on steps of its own (Streaming DiLoCo)
+DILOCO = {**{f"diloco({h})": (h, 0.7, 0.9, "none", 0, 1) for h in (10, 25, 50)},
+          **{f"diloco({h})+avg": (h, 1.0, 0.0, "none", 0, 1) for h in (5, 10, 25)},
+          **{f"diloco({h})+avg+{code}": (h, 1.0, 0.0, code, 0, 1) for h in (5, 10, 25)
+             for code in ("fp16", "int8", "int4")},
+          **{f"diloco({h})+avg+int4+overlap({tau})": (h, 1.0, 0.0, "int4", tau, 1) for h in (5, 10) for tau in (1, 2)},
+          **{f"diloco({h})+avg+int4+streaming({f})": (h, 1.0, 0.0, "int4", 0, f) for h in (10, 20) for f in (2, 5)},
+          **{f"diloco({h})+avg+int4+overlap({tau})+streaming({f})": (h, 1.0, 0.0, "int4", tau, f)
+             for h in (10, 20) for tau in (1, 2) for f in (2, 5)}}
 CONFIGS.update({name: Entry("none", {}, False) for name in DILOCO})
 
 # --config.optimizer.* where a configuration trains with another optimizer than the config
@@ -140,9 +145,9 @@ def diloco_settings(name: str) -> dict:
     """config.parallel's DiLoCo keys for `name` ({} when it is not DiLoCo's)."""
     if name not in DILOCO:
         return {}
-    steps, rate, momentum, code, overlap = DILOCO[name]
+    steps, rate, momentum, code, overlap, fragments = DILOCO[name]
     return {"sync": "diloco", "inner_steps": steps, "outer_learning_rate": rate, "outer_momentum": momentum,
-            "outer_compression": code, "overlap_steps": overlap}
+            "outer_compression": code, "overlap_steps": overlap, "fragments": fragments}
 
 
 def _entry(name: str) -> Entry:

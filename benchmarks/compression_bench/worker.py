@@ -65,9 +65,9 @@ def _wire(trainer, compression, train_data, replicas: int, steps: int) -> dict:
     link = accounting.link_bytes_per_worker(step, replicas)
     sync = trainer._sync  # pylint: disable=protected-access
     if sync is not None:  # DiLoCo: its outer step's all-reduce, spread over its round
-        outer = sync.traced_exchange()
         sent += sync.bytes_per_round() / sync.inner_steps
-        link += accounting.link_bytes_per_worker(outer, replicas, in_loops_only=False) / sync.inner_steps
+        link += sum(accounting.link_bytes_per_worker(outer, replicas, in_loops_only=False)
+                    for outer in sync.traced_exchanges()) / sync.inner_steps
     return {"bytes_per_step": sent, "fp32_bytes_per_step": dense, "ratio": dense / sent,
             "link_bytes_per_worker": link,
             # of bytes_per_step: the replicas' agreement that every gradient is finite (4 bytes

@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Sequence
 
 import keras
@@ -307,11 +308,11 @@ class Trainer:
                 return self._async_steps(iterator, steps)
             return self._synchronous_steps(iterator, steps)
 
-    def _exchanging_loop_fn(self, iterator, steps, phase=None):
-        """The loop's steps with DiLoCo's overlapped exchange beside them: its collective
-        reads what each replica sent at the round's end and writes the mean it receives,
-        no variable the steps touch, so TensorFlow runs it while the steps compute."""
-        self._sync.exchange()
+    def _exchanging_loop_fn(self, iterator, steps, phase=None, fragments=(0,)):
+        """The loop's steps with DiLoCo's overlapped exchange of `fragments` beside them: its
+        collective reads what each replica sent at the round's end and writes the mean it
+        receives, no variable the steps touch, so TensorFlow runs it while the steps compute."""
+        self._sync.exchange(fragments)
         return self._train_loop_fn(iterator, steps, phase)
 
     def _async_steps(self, iterator, steps):
@@ -365,8 +366,9 @@ class Trainer:
                 self._scheduled_loop, args=(iterator, tf.constant(steps)))))
         else:
             loop = self._train_loop
-            if self._sync is not None and self._sync.launches(self.step):  # DiLoCo's exchange beside it
-                loop = self._train_loop_exchanging
+            launched = self._sync.launches(self.step) if self._sync is not None else ()
+            if launched:  # DiLoCo's exchange beside the steps
+                loop = functools.partial(self._train_loop_exchanging, fragments=launched)
             loss, bad, first = loop(iterator, tf.constant(steps), self._phase(self.step))
             if self._batch_check is not None:
                 self._batch_check.raise_if_differed()

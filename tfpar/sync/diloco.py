@@ -8,6 +8,12 @@ rate 0.7 and momentum 0.9, by default) applies it to the anchor; every replica t
 the next round from the new anchor. One all-reduce of the weights every H steps replaces
 one of the gradients every step.
 
+Streaming (Douillard et al., 2025): `fragments=F` splits the weights into F blocks of
+consecutive variables (the model's layers in order, balanced by size); fragment f's
+rounds end at the steps f * H // F (mod H), so one fragment's exchange, 1/F of the model,
+travels every H / F steps instead of the whole model every H, and with `overlap_steps`
+it runs beside the steps that follow.
+
 Hierarchical: G consecutive replicas can train as one DiLoCo worker (`replicas_per_worker`;
 by default each process's replicas under several worker processes): their gradients are
 summed inside the worker every step (one group all-reduce, tfpar.strategy.groups), so they
@@ -25,6 +31,7 @@ Example:
     >>> sync = DiLoCo(inner_steps=25)      # outer: SGD(0.7, momentum 0.9, nesterov)
     >>> trainer = tfpar.Trainer(model, keras.optimizers.AdamW(1e-3), loss, strategy=strategy, sync=sync)
     >>> trainer.fit(data, steps=600)       # 24 rounds: 24 all-reduces of the weights
+    >>> DiLoCo(inner_steps=10, fragments=2, compression="int4", overlap_steps=2)  # streaming
 """
 
 from __future__ import annotations
@@ -70,11 +77,16 @@ class DiLoCo:
         compute in one TensorFlow call), and the outer step applies after step t + tau,
         keeping each replica's progress since t: its weights become the new anchor plus
         what its own tau steps moved them.
+      fragments: F, 1 <= F <= H (Streaming DiLoCo): the trainable variables in F blocks of
+        consecutive variables of about equal size; fragment f's rounds end at the steps
+        congruent to f * H // F modulo H (its first round is shorter), and each round end
+        exchanges, codes and applies that fragment only, with its own remainder and its
+        own exchange in flight. The outer optimizer's iterations count fragment updates.
     """
 
     def __init__(self, inner_steps: int, outer_optimizer: keras.optimizers.Optimizer | None = None,
                  replicas_per_worker: int | None = None, compression: str | None = None,
-                 overlap_steps: int = 0):
+                 overlap_steps: int = 0, fragments: int = 1):
         if int(inner_steps) != inner_steps or inner_steps < 1:
             raise SyncError(f"DiLoCo inner_steps={inner_steps!r}: give the number of local steps "
                             "per round, an integer >= 1 (the paper: 500; over a slow link 10-50).")
@@ -85,12 +97,19 @@ class DiLoCo:
         if int(overlap_steps) != overlap_steps or not 0 <= overlap_steps < inner_steps:
             raise SyncError(f"DiLoCo overlap_steps={overlap_steps!r} with inner_steps={inner_steps}: give "
                             "the steps a round's exchange overlaps, an integer from 0 (none) to inner_steps - 1.")
+        if int(fragments) != fragments or not 1 <= fragments <= inner_steps:
+            raise SyncError(f"DiLoCo fragments={fragments!r} with inner_steps={inner_steps}: give the blocks "
+                            "the model is exchanged in, an integer from 1 to inner_steps (each fragment's "
+                            "rounds end on steps of their own).")
         self.inner_steps = int(inner_steps)
         self.overlap_steps = int(overlap_steps)
-        self._in_flight: list = []  # overlap: this replica's delta and what it sends, then what arrived
-        self._launched_round = None  # the round end whose exchange this process has launched
+        self.fragments = int(fragments)
+        self.offsets = [f * self.inner_steps // self.fragments for f in range(self.fragments)]
+        self.fragment_variables: list[list[int]] = []  # each fragment's indices into the variables
+        self._in_flight: list = []  # overlap, per fragment: each replica's delta and send, then the mean
+        self._launched: dict = {}  # fragment -> the round end whose exchange this process launched
         self.code = outer_compression.outer_code(compression)
-        self.remainder: keras.Variable | None = None  # error feedback: each replica's own
+        self.remainders: list = []  # error feedback, per fragment: each replica's own
         self._per_worker_given = replicas_per_worker
         self.replicas_per_worker = 1
         self._worker_groups: list = []
@@ -106,7 +125,8 @@ class DiLoCo:
         grouped = f", replicas_per_worker={self._per_worker_given}" if self._per_worker_given else ""
         coded = f", compression={self.code.name!r}" if self.code.name != "none" else ""
         overlapped = f", overlap_steps={self.overlap_steps}" if self.overlap_steps else ""
-        return f"DiLoCo(inner_steps={self.inner_steps}{grouped}{coded}{overlapped})"
+        streamed = f", fragments={self.fragments}" if self.fragments > 1 else ""
+        return f"DiLoCo(inner_steps={self.inner_steps}{grouped}{coded}{overlapped}{streamed})"
 
     # -- the Trainer's side ----------------------------------------------------------
 
@@ -115,6 +135,11 @@ class DiLoCo:
         workers' groups of replicas, under `strategy.scope()`."""
         self.strategy, self._variables = strategy, list(variables)
         self._group_workers(strategy)
+        sizes = [int(v.shape.num_elements()) for v in self._variables]
+        if self.fragments > len(sizes):
+            raise SyncError(f"DiLoCo fragments={self.fragments}: the model has {len(sizes)} trainable "
+                            f"variable(s); give at most {len(sizes)}.")
+        self.fragment_variables = fragment_blocks(sizes, self.fragments)
         with strategy.scope():
             self.anchors = [keras.Variable(tf.convert_to_tensor(v), trainable=False, name=f"diloco_anchor_{i}")
                             for i, v in enumerate(self._variables)]  # Keras's: the outer optimizer's
@@ -122,15 +147,18 @@ class DiLoCo:
             self.outer_optimizer = (default_outer_optimizer() if given is None
                                     else type(given).from_config(given.get_config()))
             self.outer_optimizer.build(self.anchors)
-            size = sum(int(v.shape.num_elements()) for v in self._variables)
-            if self.code.error_feedback:  # one flat vector: every weight's remainder
-                self.remainder = keras.Variable(tf.zeros([size]), trainable=False, name="diloco_remainder")
-            if self.overlap_steps:  # this replica's delta at the round's end, what it sends, the mean
-                shape, dtype = self.code.sent_spec(size)
-                self._in_flight = [keras.Variable(tf.zeros([size]), trainable=False, name="diloco_delta"),
-                                   keras.Variable(tf.zeros(shape, dtype), trainable=False, dtype=dtype.name,
-                                                  name="diloco_sent"),
-                                   keras.Variable(tf.zeros([size]), trainable=False, name="diloco_arrived")]
+            for f, indices in enumerate(self.fragment_variables):
+                size, suffix = sum(sizes[i] for i in indices), f"_{f}" if f else ""
+                if self.code.error_feedback:  # one flat vector: every weight's remainder
+                    self.remainders.append(keras.Variable(tf.zeros([size]), trainable=False,
+                                                          name=f"diloco_remainder{suffix}"))
+                if self.overlap_steps:  # this replica's delta at the round's end, what it sends, the mean
+                    shape, dtype = self.code.sent_spec(size)
+                    self._in_flight.append([
+                        keras.Variable(tf.zeros([size]), trainable=False, name=f"diloco_delta{suffix}"),
+                        keras.Variable(tf.zeros(shape, dtype), trainable=False, dtype=dtype.name,
+                                       name=f"diloco_sent{suffix}"),
+                        keras.Variable(tf.zeros([size]), trainable=False, name=f"diloco_arrived{suffix}")])
         self._outer_step = tf.function(self._outer_step_fn)
         self._snapshot = tf.function(self._snapshot_fn)
         self._apply = tf.function(self._apply_fn)
@@ -145,7 +173,7 @@ class DiLoCo:
         tfpar.checkpoints.Checkpoints saves and restores per worker)."""
         from tfpar.strategy.replicas import spans_workers  # pylint: disable=import-outside-toplevel
 
-        variables = [*variables, *([self.remainder] if self.remainder is not None else []), *self._in_flight[:2]]
+        variables = [*variables, *self.remainders, *self._sent_state()]
         if spans_workers(self.strategy):
             self.worker_copies = WorkerCopies(variables, self.strategy)
             return
@@ -196,10 +224,15 @@ class DiLoCo:
                 self._worker_groups = groups.subsets(
                     strategy, [list(range(w, w + size)) for w in range(0, replicas, size)])
 
-    def round_ends(self, start: int, end: int) -> list[int]:
-        """The steps in (start, end) at which a round ends."""
-        first = (start // self.inner_steps + 1) * self.inner_steps
-        return list(range(first, end, self.inner_steps))
+    def round_ends(self, start: int, end: int, fragment: int | None = None) -> list[int]:
+        """The steps in (start, end) at which a round of `fragment` (default: any) ends."""
+        fragments = range(self.fragments) if fragment is None else [fragment]
+        found = set()
+        for f in fragments:
+            offset = self.offsets[f]
+            first = offset + ((start - offset) // self.inner_steps + 1) * self.inner_steps
+            found.update(t for t in range(first, end, self.inner_steps) if t > 0)
+        return sorted(found)
 
     def cuts(self, start: int, end: int) -> list[int]:
         """The steps in (start, end) after which the loop must end a call: round ends and,
@@ -207,46 +240,52 @@ class DiLoCo:
         ends = self.round_ends(start, end)
         if self.overlap_steps:
             applies = self.round_ends(start - self.overlap_steps, end - self.overlap_steps)
-            ends = sorted({*ends, *(t + self.overlap_steps for t in applies if t > 0)})
+            ends = sorted({*ends, *(t + self.overlap_steps for t in applies)})
         return ends
 
-    def is_round_end(self, step: int) -> bool:
-        return step > 0 and step % self.inner_steps == 0
+    def is_round_end(self, step: int, fragment: int = 0) -> bool:
+        return step > 0 and (step - self.offsets[fragment]) % self.inner_steps == 0
 
     def after_call(self, step: int) -> None:
-        """What follows a call of the loop that ended after step `step`: a round's end
-        runs the outer step (with overlap: takes the round's delta and codes it); with
-        overlap, step t + tau applies the outer step of the round that ended at t."""
-        if self.is_round_end(step):
-            self._snapshot() if self.overlap_steps else self._outer_step()  # pylint: disable=expression-not-assigned
-        elif self.overlap_steps and step > self.overlap_steps and self.is_round_end(step - self.overlap_steps):
-            self._apply()
+        """What follows a call of the loop that ended after step `step`: a fragment's round
+        end runs its outer step (with overlap: takes its delta and codes it); with overlap,
+        step t + tau applies the outer step of the fragment's round that ended at t."""
+        for f in range(self.fragments):
+            if self.is_round_end(step, f):
+                self._snapshot(f) if self.overlap_steps else self._outer_step(f)  # pylint: disable=expression-not-assigned
+            elif self.overlap_steps and self.is_round_end(step - self.overlap_steps, f):
+                self._apply(f)
 
-    def launches(self, step: int) -> bool:
-        """Whether the call that starts after step `step` carries a round's exchange (each
-        round's once per process: a restored run launches it again from the saved sends)."""
-        last_end = step // self.inner_steps * self.inner_steps
-        if not self.overlap_steps or last_end == 0 or step >= last_end + self.overlap_steps \
-                or self._launched_round == last_end:
-            return False
-        self._launched_round = last_end
-        return True
+    def launches(self, step: int) -> tuple[int, ...]:
+        """The fragments whose exchange the call that starts after step `step` carries (each
+        round's once per process: a restored run launches them again from the saved sends)."""
+        if not self.overlap_steps:
+            return ()
+        found = []
+        for f in range(self.fragments):
+            ends = self.round_ends(step - self.overlap_steps, step + 1, f)
+            if ends and self._launched.get(f) != ends[-1]:
+                self._launched[f] = ends[-1]
+                found.append(f)
+        return tuple(found)
 
-    def exchange(self) -> None:
-        """The collective of the round's exchange (inside the loop's call, beside its steps):
-        every replica's sent code -> the mean outer gradient, in `arrived`."""
+    def exchange(self, fragments: Sequence[int] = (0,)) -> None:
+        """The collectives of the fragments' exchanges (inside the loop's call, beside its
+        steps): every replica's sent code -> the mean outer gradient, in `arrived`."""
         def exchange_one():
-            delta, sent, arrived = (private_api.local_component(v) for v in self._in_flight)
-            with tf.name_scope("diloco/outer"):
-                arrived.assign(self.code.exchange(tf.distribute.get_replica_context(), sent.read_value(),
-                                                  int(delta.shape[0])))
+            for f in fragments:
+                delta, sent, arrived = (private_api.local_component(v) for v in self._in_flight[f])
+                with tf.name_scope(f"diloco/outer_{f}"):
+                    arrived.assign(self.code.exchange(tf.distribute.get_replica_context(), sent.read_value(),
+                                                      int(delta.shape[0])))
 
         self.strategy.run(exchange_one)
 
     def outer_step(self) -> None:
         """Averages the replicas' deltas, applies the outer optimizer to the anchor and
-        gives every replica the new anchor."""
-        self._outer_step()
+        gives every replica the new anchor (every fragment)."""
+        for f in range(self.fragments):
+            self._outer_step(f)
 
     @contextlib.contextmanager
     def shared_weights(self) -> Iterator[None]:
@@ -265,38 +304,54 @@ class DiLoCo:
                     copy.assign(value)
 
     def bytes_per_round(self) -> float:
-        """Bytes one replica hands to the outer step's collective (counted from its traced
-        graph: every weight's delta, in the code's format)."""
+        """Bytes one replica hands to the outer steps' collectives in H steps (counted from
+        their traced graphs: every weight's delta once, in the code's format)."""
         from tfpar.compression import accounting  # pylint: disable=import-outside-toplevel
 
-        return accounting.bytes_per_replica(self.traced_exchange())
+        return sum(accounting.bytes_per_replica(traced) for traced in self.traced_exchanges())
 
-    def traced_exchange(self):
-        """The concrete function whose collective carries a round's outer gradients (the
-        outer step; with overlap, the exchange the loop runs beside its steps)."""
-        return (tf.function(self.exchange) if self.overlap_steps else self._outer_step).get_concrete_function()
+    def traced_exchanges(self) -> list:
+        """The concrete functions whose collectives carry each fragment's outer gradients
+        (its outer step; with overlap, the exchange the loop runs beside its steps)."""
+        if self.overlap_steps:
+            return [tf.function(self.exchange).get_concrete_function((f,)) for f in range(self.fragments)]
+        return [self._outer_step.get_concrete_function(f) for f in range(self.fragments)]
 
     def checkpoint_items(self) -> dict:
         """The anchor and the outer optimizer, by name; across workers also this worker's
         replicas' copies (`diloco_worker_copies`, written to a file of its own)."""
         items = {"diloco_anchor": _Anchor(self.anchors), "diloco_outer_optimizer": self.outer_optimizer}
-        if self.remainder is not None:
-            items["diloco_remainder"] = _Anchor([self.remainder], "diloco_remainder")
-        if self._in_flight:  # the round in flight: each replica's delta and what it sends
-            items["diloco_in_flight"] = _Anchor(self._in_flight[:2], "diloco_in_flight")
+        if self.remainders:
+            items["diloco_remainder"] = _Anchor(self.remainders, "diloco_remainder")
+        if self._in_flight:  # the rounds in flight: each replica's delta and what it sends
+            items["diloco_in_flight"] = _Anchor(self._sent_state(), "diloco_in_flight")
         if self.worker_copies is not None:
             items["diloco_worker_copies"] = self.worker_copies
         return items
 
     # -- the outer step --------------------------------------------------------------
 
-    def _outer_step_fn(self):
-        strategy, variables, anchors = self.strategy, self._variables, self.anchors
+    def _sent_state(self) -> list:
+        """What a restore needs of the exchanges in flight: each fragment's delta and send."""
+        return [v for triple in self._in_flight for v in triple[:2]]
+
+    def _fragment(self, fragment: int) -> tuple[list, list]:
+        """(the fragment's variables, their anchors)."""
+        indices = self.fragment_variables[fragment]
+        return [self._variables[i] for i in indices], [self.anchors[i] for i in indices]
+
+    def _remainder(self, fragment: int):
+        """This replica's remainder of the fragment (replica context), or None."""
+        return private_api.local_component(self.remainders[fragment]) if self.remainders else None
+
+    def _outer_step_fn(self, fragment: int):
+        strategy = self.strategy
+        variables, anchors = self._fragment(fragment)
 
         def outer_update():  # replica context: this replica's copy of each weight
             deltas = [tf.convert_to_tensor(a) - tf.convert_to_tensor(v) for a, v in zip(anchors, variables)]
-            own = None if self.remainder is None else private_api.local_component(self.remainder)
-            with tf.name_scope("diloco/outer"):
+            own = self._remainder(fragment)
+            with tf.name_scope(f"diloco/outer_{fragment}"):
                 mean, left = self.code.mean(tf.distribute.get_replica_context(), deltas,
                                             None if own is None else own.read_value())
             if own is not None:
@@ -308,14 +363,16 @@ class DiLoCo:
         for variable, anchor in zip(variables, anchors):
             variable.assign(anchor)  # cross-replica: every copy
 
-    def _snapshot_fn(self):
-        """Overlap, at a round's end: each replica's delta (anchor - weights), and its coded
-        send (with its remainder kept)."""
+    def _snapshot_fn(self, fragment: int):
+        """Overlap, at a fragment's round end: each replica's delta (anchor - weights), and
+        its coded send (with its remainder kept)."""
+        variables, anchors = self._fragment(fragment)
+
         def snapshot():
             flat = outer_compression.flatten([tf.convert_to_tensor(a) - tf.convert_to_tensor(v)
-                                              for a, v in zip(self.anchors, self._variables)])
-            delta, sent, _ = (private_api.local_component(v) for v in self._in_flight)
-            own = None if self.remainder is None else private_api.local_component(self.remainder)
+                                              for a, v in zip(anchors, variables)])
+            delta, sent, _ = (private_api.local_component(v) for v in self._in_flight[fragment])
+            own = self._remainder(fragment)
             coded = flat if own is None else flat + own.read_value()
             message, decoded = self.code.encode(coded, self.strategy.num_replicas_in_sync)
             delta.assign(flat)
@@ -325,14 +382,14 @@ class DiLoCo:
 
         self.strategy.run(snapshot)
 
-    def _apply_fn(self):
-        """Overlap, tau steps after a round's end: the outer optimizer on the mean that
-        arrived; each replica's weights become the new anchor plus its progress since the
-        round's end (weights now - (old anchor - its delta))."""
-        variables, anchors = self._variables, self.anchors
+    def _apply_fn(self, fragment: int):
+        """Overlap, tau steps after a fragment's round end: the outer optimizer on the mean
+        that arrived; each replica's weights become the new anchor plus its progress since
+        the round's end (weights now - (old anchor - its delta))."""
+        variables, anchors = self._fragment(fragment)
 
         def apply():
-            delta, _, arrived = (private_api.local_component(v) for v in self._in_flight)
+            delta, _, arrived = (private_api.local_component(v) for v in self._in_flight[fragment])
             old = [tf.identity(tf.convert_to_tensor(a)) for a in anchors]
             mean = outer_compression.unflatten(arrived.read_value(), old)
             with tf.control_dependencies(old):
@@ -347,6 +404,26 @@ class DiLoCo:
 
 
 REPLICA_COPIES = "REPLICA_COPIES"
+
+
+def fragment_blocks(sizes: Sequence[int], fragments: int) -> list[list[int]]:
+    """Consecutive indices of `sizes` in `fragments` non-empty blocks of about equal total
+    size: block f ends where the running total first reaches (f + 1) / fragments of it.
+
+    Example:
+        >>> fragment_blocks([4, 4, 1, 7], 2)
+        [[0, 1], [2, 3]]
+    """
+    total, blocks, start, running = sum(sizes), [], 0, 0
+    for index, size in enumerate(sizes):
+        running += size
+        left_after = len(sizes) - index - 1  # variables still to place
+        wanted = fragments - len(blocks) - 1  # blocks still to open after this one
+        if wanted and (running * fragments >= total * (len(blocks) + 1) or left_after == wanted):
+            blocks.append(list(range(start, index + 1)))
+            start = index + 1
+    blocks.append(list(range(start, len(sizes))))
+    return blocks
 
 
 def _keep_copies(variable) -> None:
