@@ -57,7 +57,8 @@ def test_the_choice_is_none_on_a_fast_link_and_keeps_the_model_on_a_slow_one():
     assert auto_lib.choose(0.0, 0.1, RATIOS, optimizer="adam")[0] == "none"
     # the factors are the measured ones (benchmarks/results, cited in tfpar/compression/auto.py)
     assert {c.name: round(c.steps_factor, 3) for c in auto_lib.CANDIDATES} == {
-        "none": 1.0, "fp16": 1.0, "powersgd": 1.167, "onebit_adam": 1.083, "dgc_adam": 1.0, "dgc": np.inf}
+        "none": 1.0, "fp16": 1.0, "powersgd": 1.167, "onebit_adam": 1.083, "dgc_adam": 1.0, "dgc": np.inf,
+        "diloco": 1.083}
     assert auto_lib.optimizer_kind(keras.optimizers.AdamW()) == "adam"
     assert auto_lib.optimizer_kind(keras.optimizers.SGD(0.1, momentum=0.9)) == "momentum_sgd"
     assert auto_lib.optimizer_kind(keras.optimizers.SGD(0.1)) is None
@@ -208,3 +209,89 @@ def test_the_binary_gives_auto_the_runs_steps_and_tokens_per_replica():
     config.compression_args.auto_total_steps = 50  # set: wins over train.steps
     auto = run_lib.compression_for(run, ViT(image_size=16, patch_size=4, channels=3, dim=16, heads=2))
     assert (auto.total_steps, auto.tokens) == (50, 4 * 16)  # 16 patches of 4 x 4
+    assert auto.quality_steps == 50  # by default the run's own length: no room for more steps
+    config.compression_args.auto_quality_steps = 25
+    run.splits.info = {"kind": "lm", "max_len": 64}
+    assert run_lib.compression_for(run, model=None).quality_steps == 25
+
+
+def test_auto_weighs_diloco_and_the_trainer_runs_the_diloco_it_picks(tmp_path):
+    """DiLoCo (10 local steps, plain averaging, int4) pays its latency once a round and
+    needs 13/12 of none's steps: on a slow link it wins where the run has room for them,
+    and not where it has none. Picked in tfpar.Trainer (a 10 s link, 24 steps to reach the
+    loss none reaches in 12), the Trainer runs that DiLoCo: the same weights as a Trainer
+    given it by hand (its ratio is its int4 gather every 10 steps over a float32
+    all-reduce); the decision is checkpointed, and a run restored at step 12 (the decision
+    before build, the rest after) ends on the uninterrupted run. Outside a Trainer it is
+    left out by name, and a restored DiLoCo decision that cannot run is refused."""
+    from tfpar.sync import DiLoCo
+    from tfpar.sync import outer_compression
+
+    ratios = RATIOS | {"diloco": 0.0129}  # gpt_tiny's at 2 workers (benchmarks/results/diloco)
+    assert auto_lib.choose(1.0, 0.11, ratios, optimizer="adam", room=2.0, latency_s=0.002)[0] == "diloco"
+    assert auto_lib.choose(1.0, 0.11, ratios, optimizer="adam", room=1.0)[0] == "dgc_adam"  # 1.08x: no room
+    assert auto_lib.choose(1e-3, 0.11, ratios, optimizer="adam", room=2.0)[0] == "none"
+
+    strategy = mirrored(2)
+    keras.utils.set_random_seed(0)
+    weights = mlp().get_weights()
+    data = mlp_data(steps=24)
+
+    def auto_run(start, end, workdir=None):
+        auto = C.Auto(total_steps=24, quality_steps=12, link_s=10.0, compute_s=0.1)
+        if workdir is not None and start:  # the binary's order: the decision before build
+            assert Checkpoints(str(workdir), True, **auto.checkpoint_items()).restore() == start
+        model, trainer = trainer_for(strategy, auto, weights=weights)
+        checkpoints = None if workdir is None else Checkpoints(
+            str(workdir), True, model=model, optimizer=trainer.optimizer, **trainer.checkpoint_items())
+        if checkpoints is not None and start:
+            checkpoints.restore()
+        trainer.fit(strategy.experimental_distribute_dataset(data.skip(start)), steps=end, start_step=start)
+        if checkpoints is not None:
+            checkpoints.save(end)
+        return model, trainer, auto
+
+    model, trainer, auto = auto_run(0, 20)
+    assert auto_lib.CANDIDATES[auto.index].name == "diloco", auto.decision
+    assert isinstance(trainer._sync, DiLoCo) and trainer._sync is auto.chosen_sync  # pylint: disable=protected-access
+    assert "the Trainer runs DiLoCo(inner_steps=10, compression='int4') with plain averaging" in auto.decision
+    size = sum(int(np.prod(w.shape)) for w in weights)
+    gathered = outer_compression.BlockCode(4).payload_bytes(size) + 8
+    predicted_ratio = gathered / 10 / (4 * size)  # 2 workers: a gather sends its payload once, a ring all-reduce 4N
+    assert f"diloco {auto_lib.choose(10.0, 0.1, {'diloco': predicted_ratio}, room=2.0)[1]['diloco']:.4g}" \
+        in auto.decision
+    with strategy.scope():
+        by_hand = mlp()
+        by_hand.set_weights(weights)
+        sync = DiLoCo(inner_steps=10, outer_optimizer=keras.optimizers.SGD(1.0), compression="int4")
+        hand = Trainer(by_hand, adamw(), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                       strategy=strategy, sync=sync)
+    hand.fit(strategy.experimental_distribute_dataset(data), steps=20)
+    assert max(np.abs(a - b).max() for a, b in zip(by_hand.get_weights(), weights)) > 1e-3
+    for a, b in zip(model.trainable_variables, by_hand.trainable_variables):
+        for (_, x), (_, y) in zip(shards_copies(a), shards_copies(b)):
+            np.testing.assert_allclose(x.numpy(), y.numpy(), rtol=1e-6, atol=1e-6)
+
+    auto_run(0, 12, tmp_path)
+    resumed, _, restored = auto_run(12, 20, tmp_path)
+    assert restored.decision.startswith("diloco: restored from the checkpoint"), restored.decision
+    for a, b in zip(resumed.trainable_variables, model.trainable_variables):
+        for (_, x), (_, y) in zip(shards_copies(a), shards_copies(b)):
+            np.testing.assert_allclose(x.numpy(), y.numpy(), rtol=1e-6, atol=1e-6)
+
+    alone = C.Auto(total_steps=24, quality_steps=12, link_s=10.0, compute_s=0.1)
+    with strategy.scope():
+        alone.build(mlp().trainable_variables)
+    assert "diloco left out: DiLoCo runs in tfpar.Trainer only" in alone.decision
+    bare = C.Auto(total_steps=24)
+    Checkpoints(str(tmp_path), True, **bare.checkpoint_items()).restore()
+    with pytest.raises(C.CompressionError, match="decision is diloco, which this run cannot take .DiLoCo runs "
+                                                 "in tfpar.Trainer only."):
+        with strategy.scope():
+            bare.build(mlp().trainable_variables)
+
+
+def shards_copies(variable):
+    from tfpar.tensor_parallel import shards
+
+    return shards.copies(variable)

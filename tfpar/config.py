@@ -60,7 +60,8 @@ def base_config() -> ml_collections.ConfigDict:
         factor_dtype="float32",  # powersgd: P and Q in float32 or bfloat16 (half the bytes; not on GPUs)
         freeze_step=100,        # onebit_adam / dgc_adam: Adam warm-up steps before compressed momentum
         exchange_every=1,       # onebit_adam: send the 1-bit momentum every K-th step (K x fewer bytes)
-        auto_total_steps=0))    # auto: the run's length (0: train.steps; its powersgd starts after 10%)
+        auto_total_steps=0,     # auto: the run's length (0: train.steps; its powersgd starts after 10%)
+        auto_quality_steps=0))  # auto: the uncompressed steps whose loss is the goal (0: the run's length)
     c.seed = 0
     c.model = "gpt"                     # a name of tfpar.models.MODELS: gpt | encoder | vit
     c.model_args = ml_collections.ConfigDict(dict(dim=128, depth=2, heads=4, mlp_ratio=4, dropout=0.0))

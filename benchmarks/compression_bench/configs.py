@@ -115,6 +115,9 @@ CONFIGS: dict[str, Entry] = {
     "none(sgd)": Entry("none", {}, False),
     # measures the link and the compute at build, then becomes one of its candidates
     "auto": Entry("auto", {}, False),
+    # auto told that the goal is none's loss at 600 steps: room for candidates that need more
+    # steps (DiLoCo's 13/12), with --compressed-steps above 600
+    "auto+quality(600)": Entry("auto", {"auto_quality_steps": 600}, False),
 }
 
 #: DiLoCo's configurations (`--config.parallel.sync=diloco`): H local steps of the config's
@@ -200,7 +203,7 @@ def compression_for(name: str, steps: int = 600, tokens: int = 1024):
     if name in DILOCO:
         return None
     if kind == "auto":
-        return C.Auto(total_steps=steps, tokens=tokens)
+        return C.Auto(total_steps=steps, tokens=tokens, quality_steps=kwargs.get("auto_quality_steps"))
     if kind in ("dgc", "onebit_adam", "dgc_adam") or "warmup_steps" in kwargs or "rank_schedule" in kwargs:
         return C.from_config(kind, embeddings=embed, **kwargs)
     compressor = C.get(kind, **kwargs)

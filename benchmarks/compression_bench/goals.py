@@ -2,8 +2,8 @@
 
 Goals per run and configuration: at least 40x fewer bytes, time to quality at most a third
 of none's, validation loss within 2% of none's at equal steps (1% for DGC's top-k), auto at
-most 5% slower to quality than none, and each worker's link bytes at 4 workers within 10%
-of 2 workers'.
+most 5% slower to quality than none, each worker's link bytes at 4 workers within 10%
+of 2 workers', and DiLoCo within 1% of none's final loss at least 8x sooner than none.
 """
 
 from __future__ import annotations
@@ -17,17 +17,22 @@ GOAL_MAX_RANK = 4  # PowerSGD "at rank <= 4"
 GOAL_RATIO, GOAL_SPEEDUP, GOAL_GAP = 40.0, 3.0, 0.02
 GOAL_GAP_DGC = 0.01  # DGC's top-k (dgc, dgc_adam) within 1% of none
 GOAL_AUTO_SLOWER = 0.05  # auto at most 5% slower to quality than none (at 1 Gbit/s)
+GOAL_DILOCO_SOONER, GOAL_DILOCO_SLACK = 8.0, 0.01  # DiLoCo: within 1% of none's loss, 8x sooner
 
 
 def time_to_quality(results: dict) -> dict:
     """Per run: training seconds until the val loss first reaches the uncompressed run's final
-    val loss on the same link and worker count (None: never within the run)."""
+    val loss on the same link and worker count (None: never within the run); also until it
+    first comes within 1% of it (`time_within_1pct_s`, DiLoCo's goal)."""
     out = {}
     for run, rows in results.items():
         target = rows.get("none", {}).get("final_val_loss")
         for name, row in rows.items():
             reached = [w for w, l in row["val_curve_wall"] if target is not None and l <= target + 1e-9]
             row["time_to_quality_s"] = reached[0] if reached else None
+            near = [w for w, l in row["val_curve_wall"]
+                    if target is not None and l <= target * (1 + GOAL_DILOCO_SLACK) + 1e-9]
+            row["time_within_1pct_s"] = near[0] if near else None
             base = rows.get("none", {}).get("train_s")
             if reached and base:
                 out.setdefault(run, {})[name] = reached[0] / base  # fraction of uncompressed time
@@ -49,12 +54,15 @@ def _row(run: str, name: str, r: dict, none: dict | None) -> dict:
            "compute_s": r["compute_s"], "collective_s": r["collective_s"],
            "achieved_link_mbit_s": r["achieved_link_mbit_s"], "final_val_loss": r["final_val_loss"],
            "time_to_quality_s": r.get("time_to_quality_s"), "train_s": r["train_s"],
+           "time_within_1pct_s": r.get("time_within_1pct_s"),
            "phase": r.get("phase", "")}  # the last step's: which rank PowerSGD ended at
     if none:
         row["speedup"] = none["step_time_s"] / r["step_time_s"]
         row["gap_vs_none"] = (r["final_val_loss"] - none["final_val_loss"]) / none["final_val_loss"]
         if row["time_to_quality_s"] is not None:
             row["time_to_quality_vs_none"] = row["time_to_quality_s"] / none["train_s"]
+        if row["time_within_1pct_s"]:
+            row["sooner_within_1pct"] = none["train_s"] / row["time_within_1pct_s"]
     return row
 
 
@@ -110,11 +118,15 @@ def goals(rows: list[dict], equal_steps=True, bytes_only=()) -> dict:
     for row in rows:
         if row["run"] in bytes_only:
             continue
-        if row["config"] == "auto":
+        if row["config"].startswith("auto"):
             ttq = row.get("time_to_quality_vs_none")
             out[f"{row['run']}/auto"] = {f"time_to_quality<={1 + GOAL_AUTO_SLOWER:g}x_none":
                                          None if ttq is None else ttq <= 1 + GOAL_AUTO_SLOWER}
         if is_goal_config(row["config"], row.get("phase", "")):
             out[f"{row['run']}/{row['config']}"] = _scored(row, equal_steps)
+        if row["config"].startswith("diloco"):
+            sooner = row.get("sooner_within_1pct")
+            out[f"{row['run']}/{row['config']}"] = {
+                f"within_1%_{GOAL_DILOCO_SOONER:g}x_sooner": None if sooner is None else sooner >= GOAL_DILOCO_SOONER}
     _worker_scaling(rows, out)
     return out

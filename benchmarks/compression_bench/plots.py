@@ -9,7 +9,7 @@ def _cell(value, fmt: str, width: int) -> str:
 
 def print_table(rows: list[dict]) -> None:
     header = (f"{'run':<14} {'config':<18} {'B/step':>10} {'ratio':>6} {'whole':>6} {'link B/w':>10} {'step ms':>8} "
-              f"{'comp ms':>8} {'Mbit/s':>7} {'val':>7} {'gap':>7} {'ttq s':>7} {'ttq/none':>8}")
+              f"{'comp ms':>8} {'Mbit/s':>7} {'val':>7} {'gap':>7} {'ttq s':>7} {'ttq/none':>8} {'x@1%':>6}")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -19,7 +19,7 @@ def print_table(rows: list[dict]) -> None:
               f"{r['link_bytes_per_worker']:>10,.0f} {1000 * r['step_s']:>8.0f} {1000 * r['compute_s']:>8.0f} "
               f"{_cell(r['achieved_link_mbit_s'], '.0f', 7)} {r['final_val_loss']:>7.4f} "
               f"{_cell(None if gap is None else 100 * gap, '+.2f', 7)} {_cell(r['time_to_quality_s'], '.0f', 7)} "
-              f"{_cell(r.get('time_to_quality_vs_none'), '.2f', 8)}")
+              f"{_cell(r.get('time_to_quality_vs_none'), '.2f', 8)} {_cell(r.get('sooner_within_1pct'), '.2f', 6)}")
 
 
 def _loss_panel(ax, results: dict, bytes_only) -> None:

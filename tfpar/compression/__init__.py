@@ -49,7 +49,7 @@ def from_config(name: str, ratio: float = 0.01, rank: int = 4, min_size: int = 1
                 sparsity_warmup_steps: int = 0, stages: int = 4, rank_schedule: str = "",
                 factor_dtype: str = "float32",
                 freeze_step: int = 100, exchange_every: int = 1, auto_total_steps: int = 600,
-                auto_tokens: int = 1024) -> Compression | None:
+                auto_tokens: int = 1024, auto_quality_steps: int = 0) -> Compression | None:
     """The Compression that `--config.compression=NAME --config.compression_args.*` asks for
     (None for 'none' with no overrides). `overrides`: "regex=name,regex=name"; `skip`: a
     comma-separated list of regexes that replaces the default skip list ("none": skip
@@ -78,7 +78,7 @@ def from_config(name: str, ratio: float = 0.01, rank: int = 4, min_size: int = 1
     skip_list = _skip_list(skip, embeddings)
     policy_args = {"skip": skip_list} if skip_list is not None else {}
     if name.lower() == "auto":
-        return Auto(total_steps=auto_total_steps, tokens=auto_tokens)
+        return Auto(total_steps=auto_total_steps, tokens=auto_tokens, quality_steps=auto_quality_steps or None)
     if name.lower() == "onebit_adam":
         if parsed:
             raise CompressionError("onebit_adam compresses every large tensor's momentum; "

@@ -3,7 +3,8 @@
 The quality is the validation loss the uncompressed run (`none`) reaches at the run's end.
 For each candidate Auto predicts the seconds to reach it, per step of none,
 
-    steps factor x (compute x (1 + overhead) + latency + (link - latency) x bytes ratio)
+    steps factor x (compute x (1 + overhead) + latency x exchanges per step
+                    + (link - latency) x bytes ratio)
 
 and becomes the candidate with the smallest prediction. The link (a float32 all-reduce of
 every gradient), its latency and the compute are timed at build; the bytes ratio (link
@@ -26,6 +27,17 @@ benchmarks/results/compression/README.md):
 - dgc_adam(0.01), every tensor, freeze at 1/10: factor 1.0, overhead 1.54, Adam or AdamW.
   wide_100m_dgc_adam.json: step 600; 179.7 ms against 59.3 + 1,455 / 50.0 ms. Within the
   run too: 2.0041 at step 600 of a 600-step run (compression/wide_600.json).
+- diloco: DiLoCo (tfpar.sync), 10 local steps of the user's optimizer, plain averaging (outer
+  SGD 1.0, no momentum), int4 outer gradients: factor 13/12, overhead 0.08, any optimizer,
+  one exchange per 10 steps (its latency paid once a round). diloco/diloco_20mbit_coded_1200.json
+  and diloco_20mbit_overlap_1200.json (gpt_tiny, 20 Mbit/s, given 1,200 steps): none's
+  1.6858 first at step 650 in both; 143.4 and 134.1 ms against 122.9 and 110.0 of compute
+  + 1,014 ms x 0.0129. It runs in tfpar.Trainer only, and not beside ZeRO, a pipeline, a
+  split model or parameter_server (left out by name), and it changes more than the wire:
+  each replica trains its own copy between rounds, and evaluation reads the shared weights.
+  Its factor was measured on gpt_tiny with 2 workers (the others': gpt_wide); DiLoCo's
+  quality falls as workers grow (Douillard et al.), so for more than 2 workers it is an
+  optimistic guess.
 - dgc(0.01): never reached its optimizer's loss, SGD with momentum. compression/tiny_600_dgc.json
   (2.2488 against none(sgd)'s 2.0666, +8.8%, with the SGD's own momentum, clip and weight
   decay); overhead 0.09 from tiny_600_sgd.json (163.3 ms against 149.1 + 12.4 / 35.9 ms).
@@ -73,6 +85,7 @@ from typing import Callable, Sequence
 import keras
 import tensorflow as tf
 
+from tfpar.compression import accounting
 from tfpar.compression import auto_probes as probes
 from tfpar.compression.compressed_aggregator import Compression
 from tfpar.compression.compressors import FP16, CompressionError, NoCompression
@@ -105,6 +118,13 @@ def _dgc_adam(steps: int) -> Compression:
     return DGCAdam(ratio=0.01, freeze_step=max(1, steps // 10), policy=Policy(min_size=0, skip=()))
 
 
+def _diloco():
+    """diloco(10)+avg+int4: 10 local steps, plain averaging, int4 outer gradients."""
+    from tfpar.sync import DiLoCo  # pylint: disable=import-outside-toplevel
+
+    return DiLoCo(inner_steps=10, outer_optimizer=keras.optimizers.SGD(1.0), compression="int4")
+
+
 def _dgc(steps: int) -> Compression:
     """dgc(0.01): a density warm-up over 60 of 600 steps, embeddings too."""
     return Compression(DGC(ratio=0.01, warmup_steps=max(4, steps // 10)), Policy(skip=BUT_EMBEDDINGS))
@@ -120,6 +140,8 @@ class Candidate:
     needs: str                # "any", "adam" (Adam or AdamW) or "momentum_sgd"
     source: str               # the file the factor comes from
     make: Callable[[int], Compression]  # quality steps -> a fresh, unbuilt compression
+    sync: Callable[[], object] | None = None  # DiLoCo: a fresh tfpar.sync.DiLoCo the Trainer runs
+    exchanges_per_step: float = 1.0  # how often a step pays the link's latency
 
 
 # Append only: a checkpoint holds the index of its decision.
@@ -130,6 +152,8 @@ CANDIDATES = (
     Candidate("onebit_adam", 13 / 12, 0.95, "adam", "wide_100m_onebit_every2.json", _onebit_adam),
     Candidate("dgc_adam", 1.0, 1.54, "adam", "wide_100m_dgc_adam.json", _dgc_adam),
     Candidate("dgc", math.inf, 0.09, "momentum_sgd", "compression/tiny_600_dgc.json", _dgc),
+    Candidate("diloco", 13 / 12, 0.08, "any", "diloco/diloco_20mbit_coded_1200.json",
+              lambda steps: Compression(NoCompression()), sync=_diloco, exchanges_per_step=1 / 10),
 )
 BY_NAME = {c.name: c for c in CANDIDATES}
 NAMES = tuple(BY_NAME)
@@ -178,7 +202,8 @@ def choose(link_s: float, compute_s: float, ratios: dict, factors: dict | None =
     """
     factors = {c.name: c.steps_factor for c in CANDIDATES} | dict(factors or {})
     per_byte = link_s - latency_s
-    predicted = {name: factors[name] * (compute_s * (1 + BY_NAME[name].overhead) + latency_s + per_byte * ratio)
+    predicted = {name: factors[name] * (compute_s * (1 + BY_NAME[name].overhead)
+                                        + latency_s * BY_NAME[name].exchanges_per_step + per_byte * ratio)
                  for name, ratio in ratios.items()}
     allowed = [name for name in predicted if left_out(name, factors, optimizer, room) is None]
     return min(allowed, key=lambda n: (predicted[n], n != "none")), predicted
@@ -219,8 +244,10 @@ class Auto(Compression):
         self.link_s, self.compute_s = link_s, compute_s
         self.choice = tf.Variable(-1, dtype=tf.int64, trainable=False, name="choice")  # -1: undecided
         self.chosen: Compression | None = None
+        self.chosen_sync = None  # the chosen's tfpar.sync.DiLoCo, which the Trainer then runs
         self.index: int | None = None  # into CANDIDATES, once built
         self.decision = ""
+        self.sync_refused: str | None = "DiLoCo runs in tfpar.Trainer only"  # the Trainer may allow it
         object.__setattr__(self, "_optimizer", None)  # the user's, not tracked
 
     # -- before build: the optimizer ------------------------------------------------------
@@ -233,6 +260,10 @@ class Auto(Compression):
     def optimizer_for(self, optimizer):
         """The chosen candidate's: `optimizer`, or the plain SGD that applies its step."""
         return self.chosen.optimizer_for(optimizer)
+
+    def allow_sync(self, refused: str | None) -> None:
+        """The Trainer's word on DiLoCo before build: None (it may be picked) or why not."""
+        self.sync_refused = refused
 
     @property
     def _kind(self) -> str | None:
@@ -257,7 +288,16 @@ class Auto(Compression):
         else:
             self.index = self._decide(strategy, variables)
             self.choice.assign(self.index)
-        chosen = CANDIDATES[self.index].make(self.quality_steps)
+        candidate = CANDIDATES[self.index]
+        if candidate.sync is not None and restored >= 0 and self.sync_refused:
+            raise CompressionError(f"This checkpoint's compression='auto' decision is {candidate.name}, "
+                                   f"which this run cannot take ({self.sync_refused}): resume as the run "
+                                   "that wrote it, or from a fresh workdir.")
+        self.chosen_sync = candidate.sync() if candidate.sync is not None else None
+        if self.chosen_sync is not None:
+            self.decision += (f"; the Trainer runs {self.chosen_sync!r} with plain averaging (outer SGD 1.0): "
+                              "each replica trains its own copy between rounds, evaluation reads the shared weights")
+        chosen = candidate.make(self.quality_steps)
         if self._optimizer is not None:
             chosen.check_optimizer(self._optimizer)  # adopts Adam's betas, SGD's momentum, ...
         chosen.build(variables)
@@ -282,6 +322,14 @@ class Auto(Compression):
         """(name -> link bytes over its run to quality / float32's, why the others cannot run)."""
         ratios, unusable = {}, []
         for candidate in CANDIDATES:
+            if candidate.sync is not None:
+                if self.sync_refused:
+                    unusable.append(f"{candidate.name} left out: {self.sync_refused}")
+                    continue
+                fp32 = 4 * sum(int(v.shape.num_elements()) for v in variables)
+                fp32_link = accounting.analytic_link_bytes({"reduce": fp32}, max(replicas, 2))
+                ratios[candidate.name] = candidate.sync().link_bytes_per_step(variables, max(replicas, 2)) / fp32_link
+                continue
             if candidate.needs not in ("any", kind):
                 unusable.append(f"{candidate.name} left out: needs {NEEDS[candidate.needs]}")
                 continue

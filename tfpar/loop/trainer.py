@@ -34,6 +34,7 @@ from absl import logging
 from tfpar import evaluation, tensor_parallel, zero
 from tfpar.aggregation import GradientAggregator
 from tfpar.compression import accounting
+from tfpar.compression.auto import Auto
 from tfpar.compression.compressed_aggregator import Compression
 from tfpar.compression.compressors import Compressor
 from tfpar.errors import ShardingError
@@ -75,15 +76,20 @@ class _RunningMean:
         return self.value
 
 
+def _sync_conflicts(trainer) -> list[str]:
+    """What the Trainer runs that DiLoCo does not compose with (yet), by name."""
+    others = {"parameter_server": trainer._async is not None, "shard": trainer._sharded is not None,
+              "placement (a pipeline)": trainer.placement is not None,
+              "a tensor-parallel model": trainer._tensor_layout is not None}
+    return [name for name, present in others.items() if present]
+
+
 def _check_sync(sync, trainer) -> None:
     """Refuses, by name, what DiLoCo does not compose with (yet)."""
     from tfpar.sync import SyncError  # pylint: disable=import-outside-toplevel
 
-    others = {"parameter_server": trainer._async is not None, "shard": trainer._sharded is not None,
-              "placement (a pipeline)": trainer.placement is not None,
-              "a tensor-parallel model": trainer._tensor_layout is not None,
-              "compression or an aggregator": type(trainer.aggregator).__name__ != "AllReduce"}
-    found = [name for name, present in others.items() if present]
+    found = _sync_conflicts(trainer) + (["compression or an aggregator"]
+                                        if type(trainer.aggregator).__name__ != "AllReduce" else [])
     if found:
         raise SyncError(f"{sync!r} with {', '.join(found)}: DiLoCo's replicas train their own copies "
                         "and exchange weights every inner_steps steps; combining it with that is not "
@@ -181,6 +187,9 @@ class Trainer:
         self._sync = sync
         if sync is not None:
             _check_sync(sync, self)
+        if isinstance(self.aggregator, Auto):  # auto may pick DiLoCo where nothing here conflicts
+            conflicts = _sync_conflicts(self)
+            self.aggregator.allow_sync(f"not beside {', '.join(conflicts)}" if conflicts else None)
         # XLA is off with a pipeline (the step spans devices) and with tensor parallelism
         # (the layers' collectives run inside forward and backward)
         self.xla = ((True if xla is None else bool(xla)) and placement is None
@@ -188,6 +197,8 @@ class Trainer:
         self.sum_sparse_rows = sum_sparse_rows
         with self.strategy.scope():
             self.aggregator.build(model.trainable_variables)
+            if getattr(self.aggregator, "chosen_sync", None) is not None:  # auto picked DiLoCo
+                self._sync = sync = self.aggregator.chosen_sync
             # what applies the aggregator's output: the user's optimizer, or (a compressor
             # that computes Adam's or momentum's step itself) an SGD with its learning rate
             self.optimizer = optimizer = self.aggregator.optimizer_for(optimizer)

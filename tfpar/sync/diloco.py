@@ -303,6 +303,17 @@ class DiLoCo:
                 for copy, value in pairs:
                     copy.assign(value)
 
+    def link_bytes_per_step(self, variables: Sequence, replicas: int) -> float:
+        """Bytes a worker transmits per step for the outer exchanges, from the code's payload
+        (before build too): a ring all-reduce moves 2 (R - 1) / R of it, an all-gather
+        (R - 1) times; each fragment once per `inner_steps` steps."""
+        from tfpar.compression import accounting  # pylint: disable=import-outside-toplevel
+
+        sizes = [int(v.shape.num_elements()) for v in variables]
+        handed = sum(self.code.payload_bytes(sum(sizes[i] for i in block)) + self.code.shape_exchange_bytes
+                     for block in fragment_blocks(sizes, min(self.fragments, len(sizes))))
+        return accounting.analytic_link_bytes({self.code.collective: handed}, replicas) / self.inner_steps
+
     def bytes_per_round(self) -> float:
         """Bytes one replica hands to the outer steps' collectives in H steps (counted from
         their traced graphs: every weight's delta once, in the code's format)."""

@@ -41,6 +41,8 @@ class OuterCode:
 
     name = "none"
     error_feedback = False
+    collective = "reduce"  # what carries it: "reduce" (all-reduce) or "gather" (all-gather)
+    shape_exchange_bytes = 0  # what the collective hands on besides the payload
 
     def mean(self, context, deltas: Sequence[tf.Tensor], remainder: tf.Tensor | None):
         """(the mean over replicas of `deltas` as this code delivers it, this replica's new
@@ -95,6 +97,8 @@ class BlockCode(OuterCode):
     """`bits`-bit values in blocks of `BLOCK`, each with its absmax float32 scale."""
 
     error_feedback = True
+    collective = "gather"
+    shape_exchange_bytes = 8  # an all-gather first exchanges its input's shape, [1, W] in int32
 
     def __init__(self, bits: int):
         self.bits = bits
