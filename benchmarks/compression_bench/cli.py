@@ -69,6 +69,10 @@ def _parse(description: str) -> tuple[argparse.Namespace, dict | None]:
         if reference["model"] != args.model or reference["steps"] != args.steps:
             p.error(f"--reference {args.reference} ran {reference['model']} for {reference['steps']} "
                     f"steps; this run is {args.model} for {args.steps}")
+        for key, mine in (("global_batch", args.batch), ("eval_examples", args.eval_examples)):
+            if reference.get(key) != mine:  # another batch is another run: its none compares nothing
+                p.error(f"--reference {args.reference} ran {key}={reference.get(key)}; this run has {mine}: "
+                        f"give --{key.replace('global_', '').replace('_', '-')}={reference.get(key)}")
         args.configs = [c for c in args.configs if c != "none"]
     elif "none" not in args.configs:
         args.configs.insert(0, "none")  # time to quality is measured against it
