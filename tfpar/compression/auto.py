@@ -35,9 +35,9 @@ benchmarks/results/compression/README.md):
   + 1,014 ms x 0.0129. It runs in tfpar.Trainer only, and not beside ZeRO, a pipeline, a
   split model or parameter_server (left out by name), and it changes more than the wire:
   each replica trains its own copy between rounds, and evaluation reads the shared weights.
-  Its factor was measured on gpt_tiny with 2 workers (the others': gpt_wide); DiLoCo's
-  quality falls as workers grow (Douillard et al.), so for more than 2 workers it is an
-  optimistic guess.
+  gpt_wide at 100 Mbit/s (diloco/diloco_wide_100mbit_1200.json) reached none's 2.0272 at
+  step 650 too. Both with 2 workers: DiLoCo's quality falls as workers grow (Douillard et
+  al.), so for more than 2 workers the factor is an optimistic guess.
 - dgc(0.01): never reached its optimizer's loss, SGD with momentum. compression/tiny_600_dgc.json
   (2.2488 against none(sgd)'s 2.0666, +8.8%, with the SGD's own momentum, clip and weight
   decay); overhead 0.09 from tiny_600_sgd.json (163.3 ms against 149.1 + 12.4 / 35.9 ms).
