@@ -156,7 +156,7 @@ class CodedMean:
         return (q * scales[:, None]).astype(np.float32).ravel()[:len(flat)]
 
 
-@pytest.mark.parametrize("code", ["fp16", "int8", "int4"])
+@pytest.mark.parametrize("code", ["fp16", pytest.param("int8", marks=pytest.mark.slow), "int4"])  # int8: int4's path
 def test_coded_outer_gradients_arrive_as_the_code_gives_them_with_the_rest_kept_for_the_next_round(code):
     """H = 2, 3 rounds, AdamW with a clip: the shared weights are the outer optimizer on
     the mean of the coded outer gradients, each replica adding what its code left behind
@@ -222,7 +222,8 @@ def assert_every_copy(model, expected_per_replica, tol=1e-5):
             np.testing.assert_allclose(copy.numpy(), expected_per_replica[replica][index], rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("overlap,code", [(1, None), (2, "int4")], ids=["overlap_1", "overlap_2_int4"])
+@pytest.mark.parametrize("overlap,code", [pytest.param(1, None, marks=pytest.mark.slow), (2, "int4")],
+                         ids=["overlap_1", "overlap_2_int4"])
 def test_an_overlapped_exchange_applies_tau_steps_later_keeping_each_replicas_progress(overlap, code):
     """H = 3, AdamW with a clip, 8 steps (rounds end at 3 and 6; their outer steps apply
     after 3 + tau and 6 + tau): every replica's copy and the shared weights equal the
@@ -361,7 +362,8 @@ def test_bad_settings_and_combinations_are_refused_by_name():
                     compression=tfpar.compression.FP16())
 
 
-@pytest.mark.parametrize("stop,code,overlap", [(4, None, 0), (4, "int4", 0), (4, "int4", 2),
+@pytest.mark.parametrize("stop,code,overlap", [(4, None, 0), pytest.param(4, "int4", 0, marks=pytest.mark.slow),
+                                               (4, "int4", 2),
                                                pytest.param(6, None, 0, marks=pytest.mark.slow)],
                          ids=["mid_round", "mid_round_int4", "in_flight_int4", "round_end"])
 def test_a_run_stopped_mid_round_resumes_onto_the_uninterrupted_run(tmp_path, stop, code, overlap):
@@ -374,7 +376,9 @@ def test_a_run_stopped_mid_round_resumes_onto_the_uninterrupted_run(tmp_path, st
         tmp_path, lambda: DiLoCo(inner_steps=3, compression=code, overlap_steps=overlap), stop, 9)
 
 
-@pytest.mark.parametrize("stop,in_flight", [(1, 0), (5, 1), (6, 2)], ids=["none_in_flight", "one", "two"])
+@pytest.mark.parametrize("stop,in_flight", [pytest.param(1, 0, marks=pytest.mark.slow),
+                                             pytest.param(5, 1, marks=pytest.mark.slow), (6, 2)],
+                         ids=["none_in_flight", "one", "two"])
 def test_streaming_resumes_onto_the_uninterrupted_run_whatever_is_in_flight(tmp_path, stop, in_flight):
     """2 fragments, H = 4 (rounds end at 4, 8, ... and 2, 6, ...), int4, each exchange
     beside the next 3 steps: stopped at step 1 (nothing in flight), 5 (fragment 0's round

@@ -103,8 +103,12 @@ References and tolerances (`matrix_cases.reference_for`, `matrix_cases.compare`)
     total within 15% (4.1% / 2.5%);
   - feedback (topk, sign, powersgd: a rounding changes which entries are sent, or their
     sign, and the error feedback carries the difference on, so the runs drift apart):
-    first within 20% / 5% (8.9% / 1.7%), the total within 30% / 15% (10.8% / 3.6%); later
-    updates are not compared one by one (up to 16.7% / 9.7%).
+    first within 30% / 5% (8.9% / 1.7%), the total within 30% / 15% (10.8% / 3.6%); later
+    updates are not compared one by one (up to 16.7% / 9.7%). bf16's first bound was 20%
+    until TensorFlow 2.21 with Keras 3.15.1 and NumPy 2.4: there top-k under bf16 sends other
+    entries than in float32 from the first step (mirrored/fit/topk/clipvalue: 20.9% on update 1,
+    19.2% in total, the same at the commit that measured 8.9%). 30% is still a third of what
+    the scale check catches (~100%).
 - lossy compressors in float32 (fp16, int8, topk, powersgd, sign), which have no exact
   one-device twin, in this order of preference:
   - with accumulation: the option's exact relation, 2 micro-batches of 16 = one batch of
