@@ -13,6 +13,7 @@ from tfpar.compression import auto as auto_lib
 from tfpar.compression import auto_probes as probes
 from tfpar.compression import replica_state
 from tfpar.loop import Trainer
+from tfpar.tensor_parallel import shards
 
 M = 1 << 20  # entries: 4 M bytes in float32
 # link bytes / float32's over a run to quality, as Auto computes them for gpt_wide-like models
@@ -269,14 +270,14 @@ def test_auto_weighs_diloco_and_the_trainer_runs_the_diloco_it_picks(tmp_path):
     hand.fit(strategy.experimental_distribute_dataset(data), steps=20)
     assert max(np.abs(a - b).max() for a, b in zip(by_hand.get_weights(), weights)) > 1e-3
     for a, b in zip(model.trainable_variables, by_hand.trainable_variables):
-        for (_, x), (_, y) in zip(shards_copies(a), shards_copies(b)):
+        for (_, x), (_, y) in zip(shards.copies(a), shards.copies(b)):
             np.testing.assert_allclose(x.numpy(), y.numpy(), rtol=1e-6, atol=1e-6)
 
     auto_run(0, 12, tmp_path)
     resumed, _, restored = auto_run(12, 20, tmp_path)
     assert restored.decision.startswith("diloco: restored from the checkpoint"), restored.decision
     for a, b in zip(resumed.trainable_variables, model.trainable_variables):
-        for (_, x), (_, y) in zip(shards_copies(a), shards_copies(b)):
+        for (_, x), (_, y) in zip(shards.copies(a), shards.copies(b)):
             np.testing.assert_allclose(x.numpy(), y.numpy(), rtol=1e-6, atol=1e-6)
 
     alone = C.Auto(total_steps=24, quality_steps=12, link_s=10.0, compute_s=0.1)
@@ -289,9 +290,3 @@ def test_auto_weighs_diloco_and_the_trainer_runs_the_diloco_it_picks(tmp_path):
                                                  "in tfpar.Trainer only."):
         with strategy.scope():
             bare.build(mlp().trainable_variables)
-
-
-def shards_copies(variable):
-    from tfpar.tensor_parallel import shards
-
-    return shards.copies(variable)
