@@ -126,7 +126,7 @@ CONFIGS: dict[str, Entry] = {
 #: `+int8` / `+int4` / `+fp16`: the outer gradients in that code, with error feedback;
 #: `+overlap(tau)`: each round's exchange beside the next tau steps; `+streaming(F)`: the
 #: model in F fragments, each exchanged on steps of its own (Streaming DiLoCo);
-#: `+outer(LR,M)`: the outer Nesterov SGD at that learning rate and momentum
+#: `+outer(LR)+momentum(M)`: the outer Nesterov SGD at that learning rate and momentum
 DILOCO = {**{f"diloco({h})": (h, 0.7, 0.9, "none", 0, 1) for h in (10, 25, 50)},
           **{f"diloco({h})+avg": (h, 1.0, 0.0, "none", 0, 1) for h in (5, 10, 25)},
           **{f"diloco({h})+avg+{code}": (h, 1.0, 0.0, code, 0, 1) for h in (5, 10, 25)
@@ -137,7 +137,7 @@ DILOCO = {**{f"diloco({h})": (h, 0.7, 0.9, "none", 0, 1) for h in (10, 25, 50)},
              for h in (10, 20) for tau in (1, 2) for f in (2, 5)},
           # the outer Nesterov SGD between the paper's (0.7, 0.9) and plain averaging, for
           # short runs: its steady-state step is learning_rate / (1 - momentum) deltas
-          **{f"diloco({h})+outer({rate:g},{momentum:g})+int4": (h, rate, momentum, "int4", 0, 1)
+          **{f"diloco({h})+outer({rate:g})+momentum({momentum:g})+int4": (h, rate, momentum, "int4", 0, 1)
              for h in (10, 20) for rate, momentum in [(0.5, 0.5), (0.7, 0.5), (1.0, 0.3), (1.2, 0.0), (1.4, 0.0),
                                                      (0.3, 0.8), (0.2, 0.8)]}}
 CONFIGS.update({name: Entry("none", {}, False) for name in DILOCO})
