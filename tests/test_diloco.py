@@ -420,6 +420,65 @@ def assert_resumes_onto_the_uninterrupted_run(tmp_path, make_sync, stop, steps):
             np.testing.assert_allclose(x.numpy(), y.numpy(), rtol=TOL, atol=TOL, err_msg=a.path)
 
 
+def test_a_users_own_tf_checkpoint_resumes_with_diloco_state_and_is_refused_by_name_without(tmp_path):
+    """H = 3, Nesterov outer step: a tf.train.Checkpoint written at step 4 (mid-round) with
+    `**trainer.checkpoint_items()` resumes onto the uninterrupted run (every copy, 1e-6);
+    one without them (the model and optimizer only, as TF users write) restores the
+    replicas' copies but not the anchor, and the next fit refuses it by name, before a step."""
+    weights = fit_model.initial_weights()
+    strategy = mirrored(2)
+    model, trainer = trainer_for(strategy, weights, sgd, sync=DiLoCo(inner_steps=3))
+    trainer.fit(global_batches(4), steps=4)
+    whole = tf.train.Checkpoint(model=model, optimizer=trainer.optimizer, **trainer.checkpoint_items())
+    with_state = whole.write(str(tmp_path / "with_state"))
+    without = tf.train.Checkpoint(model=model, optimizer=trainer.optimizer).write(str(tmp_path / "without"))
+    trainer.fit(global_batches(9).skip(4), steps=9, start_step=4)
+
+    resumed, again = trainer_for(strategy, weights, sgd, sync=DiLoCo(inner_steps=3))
+    tf.train.Checkpoint(model=resumed, optimizer=again.optimizer, **again.checkpoint_items()).read(with_state)
+    again.fit(global_batches(9).skip(4), steps=9, start_step=4)
+    for a, b in zip(resumed.trainable_variables, model.trainable_variables):
+        for (_, x), (_, y) in zip(shards.copies(a), shards.copies(b)):
+            np.testing.assert_allclose(x.numpy(), y.numpy(), rtol=TOL, atol=TOL, err_msg=a.path)
+
+    lost, refusing = trainer_for(strategy, weights, sgd, sync=DiLoCo(inner_steps=3))
+    tf.train.Checkpoint(model=lost, optimizer=refusing.optimizer).read(without)
+    restored = [c.numpy() for _, c in shards.copies(lost.trainable_variables[0])]
+    with pytest.raises(SyncError, match=r"restored the model's weights without DiLoCo's anchor.*checkpoint_items"):
+        refusing.fit(global_batches(9).skip(4), steps=9, start_step=4)
+    with pytest.raises(SyncError, match="without DiLoCo's anchor"):  # evaluation and sampling too
+        refusing.shared_weights()
+    for kept, (_, copy) in zip(restored, shards.copies(lost.trainable_variables[0])):
+        np.testing.assert_array_equal(kept, copy.numpy())  # refused before any step
+
+
+def test_weights_loaded_into_a_fresh_trainer_start_diloco_and_loaded_after_training_are_refused(tmp_path):
+    """Keras's load_weights into a Trainer that has not stepped: DiLoCo starts from the
+    loaded weights, as a Trainer made after the load does (1e-6; with the anchor left at
+    the weights the Trainer was made with, the Nesterov outer step would move elsewhere).
+    Loaded after training began: refused by name at the next fit and shared_weights."""
+    weights = fit_model.initial_weights()
+    strategy = mirrored(2)
+    source = fit_model.build_model()
+    source.set_weights([w * 0.5 + 0.01 for w in weights])
+    path = str(tmp_path / "pretrained.weights.h5")
+    source.save_weights(path)
+
+    loaded_late, trainer = trainer_for(strategy, weights, sgd, sync=DiLoCo(inner_steps=3))
+    loaded_late.load_weights(path)
+    trainer.fit(global_batches(6), steps=6)
+    made_after, _ = trainer_for(strategy, source.get_weights(), sgd, sync=DiLoCo(inner_steps=3))
+    _.fit(global_batches(6), steps=6)
+    assert_close([v.numpy() for v in loaded_late.trainable_variables],
+                 [v.numpy() for v in made_after.trainable_variables])
+
+    loaded_late.load_weights(path)
+    with pytest.raises(SyncError, match=r"changed outside the Trainer.*after it trained.*checkpoint_items"):
+        trainer.fit(global_batches(9).skip(6), steps=9, start_step=6)
+    with pytest.raises(SyncError, match="changed outside the Trainer"):
+        trainer.shared_weights()
+
+
 def test_evaluation_mid_round_reads_the_shared_weights_and_training_goes_on():
     """At step 4 of rounds of 3 the replicas' copies differ; evaluate() scores the anchor
     (the shared weights: an unsplit model holding them scores the same), every copy holds

@@ -9,7 +9,7 @@ checkpoint, and a checkpoint from another model or config is refused by name
 (CheckpointMismatchError), not half-restored.
 
 State that differs between worker processes (DiLoCo's replicas' own copies of the weights
-and of the inner optimizer's state, tfpar.sync.diloco.WorkerCopies) is written by each
+and of the inner optimizer's state, tfpar.sync.diloco_checkpoint.WorkerCopies) is written by each
 worker to its own file, `checkpoints/workers/<task>/ckpt-<step>`, before the chief's
 checkpoint of that step (`PerWorker`), and read back by each worker when it is restored.
 
@@ -214,7 +214,7 @@ def written_by_checkpoints() -> bool:
 
 class PerWorker:
     """Checkpoint objects whose values differ between worker processes (marked
-    `PER_WORKER`, e.g. tfpar.sync.diloco.WorkerCopies): every worker writes them to its own
+    `PER_WORKER`, e.g. tfpar.sync.diloco_checkpoint.WorkerCopies): every worker writes them to its own
     file, `<checkpoints>/workers/<task>/ckpt-<step>`, before the chief's checkpoint of that
     step exists, and reads its own back when that checkpoint is restored. The workdir must
     be one every worker sees, or each worker's own at the same path.

@@ -86,3 +86,7 @@ class ShardingError(TfparError, ValueError):
 
 class WorkdirError(TfparError, OSError):
     """The workdir cannot take what the run writes (read-only, full)."""
+
+
+class SyncError(TfparError, ValueError):
+    """A DiLoCo setting, combination or state that cannot run; the message names the fix."""

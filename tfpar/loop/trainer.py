@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import keras
 import tensorflow as tf
@@ -218,6 +218,8 @@ class Trainer:
             sync.build(self.strategy, model.trainable_variables)
             sync.keep_replica_copies([*model.trainable_variables,
                                       *(v for v in self.optimizer.variables if v is not self.optimizer.iterations)])
+            sync.note_weights()  # weights changed outside the Trainer are checked when it takes them up
+        self._fitting = False
         # a TP group's replicas share one batch: dealt so by tfpar's data (the first step
         # checks it), or, under a keras.distribution (Keras's dealing), gathered every step
         self._gathers_batches = self._tensor_layout is not None and getattr(
@@ -362,13 +364,30 @@ class Trainer:
         loss. Under DiLoCo (`sync`) the calls are cut at the rounds' ends, where its outer
         step runs."""
         if self._sync is not None:
-            cuts = [self.step, *self._sync.cuts(self.step, self.step + steps), self.step + steps]
-            total = 0.0
-            for n in (b - a for a, b in zip(cuts, cuts[1:])):
-                total += self._train_call(iterator, n) * n
-                self._sync.after_call(self.step)
-            return total / steps
+            with self._taking_up_the_weights():
+                cuts = [self.step, *self._sync.cuts(self.step, self.step + steps), self.step + steps]
+                total = 0.0
+                for n in (b - a for a, b in zip(cuts, cuts[1:])):
+                    total += self._train_call(iterator, n) * n
+                    self._sync.after_call(self.step)
+                return total / steps
         return self._train_call(iterator, steps)
+
+    @contextlib.contextmanager
+    def _taking_up_the_weights(self) -> Iterator[None]:
+        """DiLoCo, outside a fit (a fit's own calls, evaluations and samples are inside it):
+        the weights are checked for changes made outside the Trainer on entry (see
+        DiLoCo.check_weights) and noted again on exit."""
+        if self._sync is None or self._fitting:
+            yield
+            return
+        self._sync.check_weights()
+        self._fitting = True
+        try:
+            yield
+        finally:
+            self._fitting = False
+            self._sync.note_weights()
 
     def _train_call(self, iterator, steps: int) -> float:
         """One call of `steps` steps (one tf.function call; scheduled under parameter_server)."""
@@ -507,7 +526,8 @@ class Trainer:
             self._batch_check.arm()
         callback_list.on_train_begin()
         callback_list.on_epoch_begin(0)
-        self._run_chunks(iter(self._distributed(dataset)), sizes, on_chunk, settle)
+        with self._taking_up_the_weights():
+            self._run_chunks(iter(self._distributed(dataset)), sizes, on_chunk, settle)
         callback_list.on_epoch_end(0, logs)
         if sizes and self._sharded is not None:  # as Keras fit ends: with use_ema the model
             self._sharded.finalize(self.model.trainable_variables)  # takes the moving averages
@@ -540,7 +560,11 @@ class Trainer:
             >>> with trainer.shared_weights():
             ...     model.save_weights("/tmp/shared.weights.h5")
         """
-        return self._sync.shared_weights() if self._sync is not None else contextlib.nullcontext()
+        if self._sync is None:
+            return contextlib.nullcontext()
+        if not self._fitting:
+            self._sync.check_weights()
+        return self._sync.shared_weights()
 
     def _evaluate(self, dataset, steps: int) -> dict:
         strategy = tf.distribute.get_strategy() if self._async else self.strategy

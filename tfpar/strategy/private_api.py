@@ -467,6 +467,18 @@ def set_checkpoint_hooks(variable, serialize, restore) -> None:
     variable._restore_from_tensors = restore  # pylint: disable=protected-access
 
 
+def on_restore(variable, callback) -> None:
+    """Calls `callback()` whenever a checkpoint restores `variable`, which it then restores
+    as it did before (its class's own restore, or hooks set earlier)."""
+    original = variable._restore_from_tensors  # pylint: disable=protected-access
+
+    def restore(restored):
+        callback()
+        return original(restored)
+
+    variable._restore_from_tensors = restore  # pylint: disable=protected-access
+
+
 # -- tensor parallelism: split weights inside Keras's own layers ---------------------
 
 def weight_path(layer, name: str) -> str:

@@ -42,13 +42,10 @@ from typing import Iterator, Sequence
 import keras
 import tensorflow as tf
 
-from tfpar.errors import TfparError
+from tfpar.errors import SyncError
 from tfpar.strategy import private_api
 from tfpar.sync import outer_compression
-
-
-class SyncError(TfparError, ValueError):
-    """A DiLoCo setting or combination that cannot run; the message names the fix."""
+from tfpar.sync.diloco_checkpoint import OutsideChanges, Tracked, WorkerCopies, keep_copies
 
 
 def default_outer_optimizer() -> keras.optimizers.Optimizer:
@@ -120,6 +117,8 @@ class DiLoCo:
         self._variables: list = []
         self._outer_step = None
         self.worker_copies: WorkerCopies | None = None  # across workers: this worker's copies
+        self.outside: OutsideChanges | None = None
+        self._trained = False  # a call of the loop has run since build
 
     def __repr__(self) -> str:
         grouped = f", replicas_per_worker={self._per_worker_given}" if self._per_worker_given else ""
@@ -162,6 +161,7 @@ class DiLoCo:
         self._outer_step = tf.function(self._outer_step_fn)
         self._snapshot = tf.function(self._snapshot_fn)
         self._apply = tf.function(self._apply_fn)
+        self.outside = OutsideChanges(self._variables, self.anchors, restart=self._restart)
 
     def keep_replica_copies(self, variables: Sequence) -> None:
         """Checkpoints each replica's own copy of `variables` (the weights and the inner
@@ -174,11 +174,29 @@ class DiLoCo:
         from tfpar.strategy.replicas import spans_workers  # pylint: disable=import-outside-toplevel
 
         variables = [*variables, *self.remainders, *self._sent_state()]
+        restored = self.outside.weights_restored_by_checkpoint
         if spans_workers(self.strategy):
-            self.worker_copies = WorkerCopies(variables, self.strategy)
+            self.worker_copies = WorkerCopies(variables, self.strategy, on_restore=restored)
             return
         for variable in variables:
-            _keep_copies(getattr(variable, "value", variable))
+            keep_copies(getattr(variable, "value", variable), on_restore=restored)
+
+    def note_weights(self) -> None:
+        """Where the Trainer leaves the weights (built, a fit's end): what `check_weights`
+        compares with (tfpar.sync.diloco_checkpoint.OutsideChanges)."""
+        self.outside.note()
+
+    def check_weights(self) -> None:
+        """Where the Trainer takes the weights up again: weights changed outside it without
+        the anchor are refused by name; loaded into a Trainer that has not stepped, DiLoCo
+        starts from them."""
+        self.outside.check(trained=self._trained)
+
+    def _restart(self) -> None:
+        """The anchor from the weights (every replica's copy equal; no step taken yet, so
+        the outer optimizer, the remainders and the exchanges in flight are as built)."""
+        for variable, anchor in zip(self._variables, self.anchors):
+            anchor.assign(tf.convert_to_tensor(variable))
 
     def local_gradients(self, gradients: Sequence, replicas: int) -> list:
         """This DiLoCo worker's gradient of its own batch's mean loss (replica context): the
@@ -250,6 +268,7 @@ class DiLoCo:
         """What follows a call of the loop that ended after step `step`: a fragment's round
         end runs its outer step (with overlap: takes its delta and codes it); with overlap,
         step t + tau applies the outer step of the fragment's round that ended at t."""
+        self._trained = True
         for f in range(self.fragments):
             if self.is_round_end(step, f):
                 self._snapshot(f) if self.overlap_steps else self._outer_step(f)  # pylint: disable=expression-not-assigned
@@ -331,11 +350,11 @@ class DiLoCo:
     def checkpoint_items(self) -> dict:
         """The anchor and the outer optimizer, by name; across workers also this worker's
         replicas' copies (`diloco_worker_copies`, written to a file of its own)."""
-        items = {"diloco_anchor": _Anchor(self.anchors), "diloco_outer_optimizer": self.outer_optimizer}
+        items = {"diloco_anchor": Tracked(self.anchors), "diloco_outer_optimizer": self.outer_optimizer}
         if self.remainders:
-            items["diloco_remainder"] = _Anchor(self.remainders, "diloco_remainder")
+            items["diloco_remainder"] = Tracked(self.remainders, "diloco_remainder")
         if self._in_flight:  # the rounds in flight: each replica's delta and what it sends
-            items["diloco_in_flight"] = _Anchor(self._sent_state(), "diloco_in_flight")
+            items["diloco_in_flight"] = Tracked(self._sent_state(), "diloco_in_flight")
         if self.worker_copies is not None:
             items["diloco_worker_copies"] = self.worker_copies
         return items
@@ -414,9 +433,6 @@ class DiLoCo:
             self.strategy.run(apply)
 
 
-REPLICA_COPIES = "REPLICA_COPIES"
-
-
 def fragment_blocks(sizes: Sequence[int], fragments: int) -> list[list[int]]:
     """Consecutive indices of `sizes` in `fragments` non-empty blocks of about equal total
     size: block f ends where the running total first reaches (f + 1) / fragments of it.
@@ -435,93 +451,3 @@ def fragment_blocks(sizes: Sequence[int], fragments: int) -> list[list[int]]:
             start = index + 1
     blocks.append(list(range(start, len(sizes))))
     return blocks
-
-
-def _keep_copies(variable) -> None:
-    """Checkpoint hooks that save and restore every local copy of a mirrored variable."""
-    from tfpar.tensor_parallel.shards import copies  # pylint: disable=import-outside-toplevel
-
-    local = [c for _, c in copies(variable)]
-    if len(local) < 2:
-        return
-    host = tf.DeviceSpec.from_string(local[0].device).replace(device_type="CPU", device_index=0).to_string()
-
-    def serialize():  # computed only when written: a restore calls this too
-        return {"VARIABLE_VALUE": private_api.save_spec(lambda: local[0].read_value(), variable.dtype, host),
-                REPLICA_COPIES: private_api.save_spec(lambda: tf.stack([c.read_value() for c in local]),
-                                                      variable.dtype, host)}
-
-    def restore(restored: dict):
-        stacked = restored[REPLICA_COPIES]
-        return tf.group([copy.assign(stacked[r]) for r, copy in enumerate(local)])
-
-    private_api.set_checkpoint_hooks(variable, serialize, restore)
-
-
-def _refuse_other_writers(variable) -> None:
-    """Across worker processes a DiLoCo variable differs between workers, and a checkpoint
-    written by another writer than tfpar's `Checkpoints` (a user's tf.train.Checkpoint)
-    would keep one worker's copy, which a restore gives to all: refused by name when it is
-    written. A restore assigns every local copy, as TensorFlow's own would."""
-    from tfpar.checkpoints import written_by_checkpoints  # pylint: disable=import-outside-toplevel
-    from tfpar.tensor_parallel.shards import copies  # pylint: disable=import-outside-toplevel
-
-    local = [c for _, c in copies(variable)]
-    host = tf.DeviceSpec.from_string(local[0].device).replace(device_type="CPU", device_index=0).to_string()
-    name = getattr(variable, "name", "a variable")
-
-    def value():
-        if not written_by_checkpoints():
-            raise SyncError(
-                f"DiLoCo across worker processes: {name} holds a different value on each worker, and "
-                "this checkpoint would keep one worker's, which a restore gives to every worker (a "
-                "different run, silently). Save with tfpar.checkpoints.Checkpoints(workdir, is_chief, "
-                "model=..., optimizer=..., **trainer.checkpoint_items()), which writes each worker's own "
-                "copies to its own file; to export the shared model, call Keras's model.save_weights "
-                "inside `with trainer.shared_weights():`.")
-        return local[0].read_value()
-
-    def serialize():
-        return {"VARIABLE_VALUE": private_api.save_spec(value, variable.dtype, host)}
-
-    def restore(restored: dict):
-        return tf.group([copy.assign(restored["VARIABLE_VALUE"]) for copy in local])
-
-    private_api.set_checkpoint_hooks(variable, serialize, restore)
-
-
-class _Anchor(tf.Module):
-    """The anchor's variables as one checkpointable object."""
-
-    def __init__(self, anchors, name: str = "diloco_anchor"):
-        super().__init__(name=name)
-        self.variables_list = list(anchors)
-
-
-class WorkerCopies(tf.__internal__.tracking.Trackable):
-    """This worker's replicas' own copies of some mirrored variables (DiLoCo's weights and
-    inner optimizer state across worker processes), as one checkpointable object that each
-    worker writes to a file of its own: tfpar.checkpoints.Checkpoints finds it by
-    `PER_WORKER` and saves it beside the chief's checkpoint, per worker, at the same step.
-
-    Example:
-        >>> copies = WorkerCopies(model.trainable_variables, strategy)
-        >>> tf.train.Checkpoint(copies=copies).write("/shared/run/checkpoints/workers/worker-1/ckpt-6")
-    """
-
-    PER_WORKER = True
-
-    def __init__(self, variables: Sequence, strategy: tf.distribute.Strategy):
-        from tfpar.tensor_parallel.shards import copies  # pylint: disable=import-outside-toplevel
-
-        self.strategy = strategy
-        self._locals = [[c for _, c in copies(getattr(v, "value", v))] for v in variables]
-        for variable in variables:
-            _refuse_other_writers(getattr(variable, "value", variable))
-
-    def _serialize_to_tensors(self):
-        return {f"copies_{i}": tf.stack([c.read_value() for c in local]) for i, local in enumerate(self._locals)}
-
-    def _restore_from_tensors(self, restored_tensors):
-        return tf.group([copy.assign(restored_tensors[f"copies_{i}"][r])
-                         for i, local in enumerate(self._locals) for r, copy in enumerate(local)])

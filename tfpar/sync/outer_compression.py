@@ -28,6 +28,7 @@ from typing import Sequence
 import tensorflow as tf
 
 from tfpar.compression import packing
+from tfpar.errors import SyncError
 
 BLOCK = 256  # values per scale: 1/8 of a bit per value for the float32 scale
 
@@ -149,8 +150,6 @@ CODES = ("none", "fp16", "int8", "int4")
 
 def outer_code(name: str | None) -> OuterCode:
     """The code named `name` (None: float32)."""
-    from tfpar.sync.diloco import SyncError  # pylint: disable=import-outside-toplevel
-
     made = {"none": OuterCode, "fp16": HalfCode, "int8": lambda: BlockCode(8), "int4": lambda: BlockCode(4)}
     if (name or "none") not in made:
         raise SyncError(f"DiLoCo compression={name!r}: give one of {', '.join(CODES)} "
