@@ -174,15 +174,29 @@ class Trainer:
         if loss_scaled:  # fp16: the loss scale skips by itself
             nonfinite = "ignore"
         keras_fixes.apply_and_report()  # accumulation and EMA under mirrored need fix 4
+        self._choose_parallelism(aggregator, compression, placement, shard, sync, nonfinite)
+        # XLA is off with a pipeline (the step spans devices) and with tensor parallelism
+        # (the layers' collectives run inside forward and backward)
+        self.xla = ((True if xla is None else bool(xla)) and placement is None
+                    and self._tensor_layout is None)
+        self.sum_sparse_rows = sum_sparse_rows
+        self._build_state(nonfinite)
+        self._build_sync()
+        self._build_steps(accumulate, placement, skips, nonfinite)
+
+    def _choose_parallelism(self, aggregator, compression, placement, shard, sync, nonfinite: str) -> None:
+        """The aggregator, ZeRO, placement, parameter-server and DiLoCo settings, each checked
+        by name against the others before anything is built."""
+        model, optimizer = self.model, self.optimizer
         self.aggregator = aggregator_for(self.strategy, aggregator, compression, model)
         self._tensor_layout = tensor_parallel_layout(model)  # None: the model is not split
         self._shard_by_default = shard is None and sync is None  # the layout map may give ZeRO-2
         self._sharded = self._zero_update(model, shard, sync, optimizer, placement, nonfinite)
         self.aggregator.check_optimizer(optimizer)
-        is_async = parameter_server.is_parameter_server(self.strategy)
         self.placement = placement
         if placement is not None:  # before a coordinator starts: refused early
             check_placement(model, self.strategy, placement)
+        is_async = parameter_server.is_parameter_server(self.strategy)
         self._async = parameter_server.AsyncSteps(self.strategy) if is_async else None
         self._sync = sync
         if sync is not None:
@@ -190,19 +204,19 @@ class Trainer:
         if isinstance(self.aggregator, Auto):  # auto may pick DiLoCo where nothing here conflicts
             conflicts = _sync_conflicts(self)
             self.aggregator.allow_sync(f"not beside {', '.join(conflicts)}" if conflicts else None)
-        # XLA is off with a pipeline (the step spans devices) and with tensor parallelism
-        # (the layers' collectives run inside forward and backward)
-        self.xla = ((True if xla is None else bool(xla)) and placement is None
-                    and self._tensor_layout is None)
-        self.sum_sparse_rows = sum_sparse_rows
+
+    def _build_state(self, nonfinite: str) -> None:
+        """Under the strategy: the aggregator's state, the optimizer that applies its output
+        (or ZeRO's partitions of it), the loss sum and the non-finite guard."""
+        model = self.model
         with self.strategy.scope():
             self.aggregator.build(model.trainable_variables)
             if getattr(self.aggregator, "chosen_sync", None) is not None:  # auto picked DiLoCo
-                self._sync = sync = self.aggregator.chosen_sync
+                self._sync = self.aggregator.chosen_sync
             # what applies the aggregator's output: the user's optimizer, or (a compressor
             # that computes Adam's or momentum's step itself) an SGD with its learning rate
-            self.optimizer = optimizer = self.aggregator.optimizer_for(optimizer)
-            private_api.check_optimizer(optimizer, sharded_updates=is_async)
+            self.optimizer = optimizer = self.aggregator.optimizer_for(self.optimizer)
+            private_api.check_optimizer(optimizer, sharded_updates=self._async is not None)
             _check_optimizer_strategy(optimizer, self.strategy)
             if self._sharded is None:
                 optimizer.build(model.trainable_variables)  # before any traced step
@@ -214,12 +228,22 @@ class Trainer:
                 synchronization=tf.VariableSynchronization.ON_READ,
                 aggregation=tf.VariableAggregation.SUM)
             self._guard = None if self._async else NonFiniteGuard(nonfinite)
-        if sync is not None:
-            sync.build(self.strategy, model.trainable_variables)
-            sync.keep_replica_copies([*model.trainable_variables,
-                                      *(v for v in self.optimizer.variables if v is not self.optimizer.iterations)])
-            sync.note_weights()  # weights changed outside the Trainer are checked when it takes them up
+
+    def _build_sync(self) -> None:
+        """DiLoCo's anchor and outer optimizer, every replica's own copies checkpointed, and
+        the weights noted (changes made outside the Trainer are checked when it takes them up)."""
         self._fitting = False
+        sync = self._sync
+        if sync is None:
+            return
+        sync.build(self.strategy, self.model.trainable_variables)
+        sync.keep_replica_copies([*self.model.trainable_variables,
+                                  *(v for v in self.optimizer.variables if v is not self.optimizer.iterations)])
+        sync.note_weights()
+
+    def _build_steps(self, accumulate: int, placement, skips: bool, nonfinite: str) -> None:
+        """The batch checks of a split model, the forward-backward pass and the loops'
+        tf.functions (nothing traced yet)."""
         # a TP group's replicas share one batch: dealt so by tfpar's data (the first step
         # checks it), or, under a keras.distribution (Keras's dealing), gathered every step
         self._gathers_batches = self._tensor_layout is not None and getattr(
@@ -230,7 +254,8 @@ class Trainer:
         self._skipped_step_state = skipped_step_state(
             () if self._async else self.aggregator.state_variables(), skips, nonfinite)
         self.step = 0  # the next optimizer step; fit sets it from start_step
-        self._forward_backward = ForwardBackward(model, loss, self.strategy, accumulate, placement, self.xla)
+        self._forward_backward = ForwardBackward(self.model, self.loss, self.strategy, accumulate, placement,
+                                                 self.xla)
         self._compute = self._forward_backward.compiled  # the pure, compiled pass
         self._train_loop = tf.function(self._train_loop_fn, reduce_retracing=True)
         self._train_loop_exchanging = tf.function(self._exchanging_loop_fn, reduce_retracing=True)
