@@ -377,7 +377,8 @@ def test_a_run_stopped_mid_round_resumes_onto_the_uninterrupted_run(tmp_path, st
 
 
 @pytest.mark.parametrize("stop,in_flight", [pytest.param(1, 0, marks=pytest.mark.slow),
-                                             pytest.param(5, 1, marks=pytest.mark.slow), (6, 2)],
+                                             pytest.param(5, 1, marks=pytest.mark.slow),
+                                             pytest.param(6, 2, marks=pytest.mark.slow)],
                          ids=["none_in_flight", "one", "two"])
 def test_streaming_resumes_onto_the_uninterrupted_run_whatever_is_in_flight(tmp_path, stop, in_flight):
     """2 fragments, H = 4 (rounds end at 4, 8, ... and 2, 6, ...), int4, each exchange
@@ -674,6 +675,7 @@ def test_train_steps_across_round_ends_runs_the_outer_steps_as_fit_does():
             np.testing.assert_allclose(x.numpy(), y.numpy(), rtol=TOL, atol=TOL, err_msg=a.path)
 
 
+@pytest.mark.slow  # 30 s, moved for the fast tier's 10-minute budget
 def test_replicas_grouped_into_workers_train_as_one_worker_each():
     """The hierarchical form: 4 replicas as 2 DiLoCo workers of 2 (their gradients summed
     inside the worker every step, DiLoCo between workers) is the 2-replica run, each worker's
