@@ -174,12 +174,14 @@ class DiLoCo:
         from tfpar.strategy.replicas import spans_workers  # pylint: disable=import-outside-toplevel
 
         variables = [*variables, *self.remainders, *self._sent_state()]
-        restored = self.outside.weights_restored_by_checkpoint
+        tf_variables = [getattr(v, "value", v) for v in variables]  # Keras's -> TensorFlow's
         if spans_workers(self.strategy):
-            self.worker_copies = WorkerCopies(variables, self.strategy, on_restore=restored)
-            return
-        for variable in variables:
-            keep_copies(getattr(variable, "value", variable), on_restore=restored)
+            self.worker_copies = WorkerCopies(variables, self.strategy)
+        else:
+            for variable in tf_variables:
+                keep_copies(variable)
+        for variable in tf_variables:  # around whichever restore the hooks above installed
+            private_api.on_restore(variable, self.outside.weights_restored_by_checkpoint)
 
     def note_weights(self) -> None:
         """Where the Trainer leaves the weights (built, a fit's end): what `check_weights`

@@ -26,15 +26,12 @@ from tfpar.strategy import private_api
 REPLICA_COPIES = "REPLICA_COPIES"
 
 
-def keep_copies(variable, on_restore: Callable[[], None] | None = None) -> None:
-    """Checkpoint hooks that save and restore every local copy of a mirrored variable;
-    `on_restore()` is called whenever a checkpoint restores it."""
+def keep_copies(variable) -> None:
+    """Checkpoint hooks that save and restore every local copy of a mirrored variable."""
     from tfpar.tensor_parallel.shards import copies  # pylint: disable=import-outside-toplevel
 
     local = [c for _, c in copies(variable)]
     if len(local) < 2:
-        if on_restore is not None:
-            private_api.on_restore(variable, on_restore)
         return
     host = tf.DeviceSpec.from_string(local[0].device).replace(device_type="CPU", device_index=0).to_string()
 
@@ -44,15 +41,13 @@ def keep_copies(variable, on_restore: Callable[[], None] | None = None) -> None:
                                                       variable.dtype, host)}
 
     def restore(restored: dict):
-        if on_restore is not None:
-            on_restore()
         stacked = restored[REPLICA_COPIES]
         return tf.group([copy.assign(stacked[r]) for r, copy in enumerate(local)])
 
     private_api.set_checkpoint_hooks(variable, serialize, restore)
 
 
-def refuse_other_writers(variable, on_restore: Callable[[], None] | None = None) -> None:
+def refuse_other_writers(variable) -> None:
     """Across worker processes a DiLoCo variable differs between workers, and a checkpoint
     written by another writer than tfpar's `Checkpoints` (a user's tf.train.Checkpoint)
     would keep one worker's copy, which a restore gives to all: refused by name when it is
@@ -79,8 +74,6 @@ def refuse_other_writers(variable, on_restore: Callable[[], None] | None = None)
         return {"VARIABLE_VALUE": private_api.save_spec(value, variable.dtype, host)}
 
     def restore(restored: dict):
-        if on_restore is not None:
-            on_restore()
         return tf.group([copy.assign(restored["VARIABLE_VALUE"]) for copy in local])
 
     private_api.set_checkpoint_hooks(variable, serialize, restore)
@@ -107,14 +100,13 @@ class WorkerCopies(tf.__internal__.tracking.Trackable):
 
     PER_WORKER = True
 
-    def __init__(self, variables: Sequence, strategy: tf.distribute.Strategy,
-                 on_restore: Callable[[], None] | None = None):
+    def __init__(self, variables: Sequence, strategy: tf.distribute.Strategy):
         from tfpar.tensor_parallel.shards import copies  # pylint: disable=import-outside-toplevel
 
         self.strategy = strategy
         self._locals = [[c for _, c in copies(getattr(v, "value", v))] for v in variables]
         for variable in variables:
-            refuse_other_writers(getattr(variable, "value", variable), on_restore)
+            refuse_other_writers(getattr(variable, "value", variable))
 
     def _serialize_to_tensors(self):
         return {f"copies_{i}": tf.stack([c.read_value() for c in local]) for i, local in enumerate(self._locals)}
