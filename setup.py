@@ -25,7 +25,11 @@ setup(
         # pytest < 9.2: pytest-xdist 3.8's --dist loadgroup renames item._nodeid, which pytest
         # 9.2 no longer reads, so xdist_group marks were ignored (the convergence runs twice)
         "test": ["pytest>=7,<9.2", "pytest-timeout", "pytest-xdist", "nbclient", "nbformat", "ipykernel", "allpairspy>=2.5",
-                 "keras-hub>=0.21,<0.33"],  # notebooks run in the tests; allpairspy: test_matrix's cases; keras-hub: models not tfpar's (ZeRO, tensor parallelism)
+                 "keras-hub>=0.21,<0.33",  # notebooks run in the tests; allpairspy: test_matrix's cases; keras-hub: models not tfpar's (ZeRO, tensor parallelism)
+                 "tensorboard-plugin-profile>=2.19"],  # the profile tests load traces with its loader
+        # TensorBoard's Profile tab (trace viewer, input pipeline, memory) for the traces of
+        # --config.train.profile_steps; it installs xprof, the loader tfpar's tests use too
+        "profile": ["tensorboard-plugin-profile>=2.19"],
         # TPU VMs (Colab, Kaggle, Cloud TPU): TensorFlow's TPU build is its own distribution,
         # 2.20 the newest. tfpar is not on PyPI: from the clone, `pip install -e ".[tpu]" -f
         # https://storage.googleapis.com/libtpu-tf-releases/index.html` (Colab's -f: Google's

@@ -110,14 +110,18 @@ class ProgressLine:
       wire: the run's `WirePhase`s in step order (None or empty: nothing all-reduced).
       say: where the line goes (None: nowhere; the values are still measured).
       round_steps: DiLoCo's H: the line names the rounds done (`round 12/60`).
+      flops_per_step, peak_flops: a worker's FLOPs per step and its device's peak FLOP/s
+        (tfpar.profiling.peak): the line shows MFU, the values hold `mfu`.
     """
 
     def __init__(self, total_steps: int, units_per_step: int = 1, unit: str = "ex",
                  learning_rate: Callable[[], float] | None = None,
                  wire: Sequence[WirePhase] | None = None,
-                 say: Callable[[str], None] | None = logging.info, round_steps: int | None = None):
+                 say: Callable[[str], None] | None = logging.info, round_steps: int | None = None,
+                 flops_per_step: float | None = None, peak_flops: float | None = None):
         self.total_steps, self.units_per_step, self.unit = total_steps, units_per_step, unit
         self.round_steps = round_steps
+        self.flops_per_step, self.peak_flops = flops_per_step, peak_flops
         self.learning_rate, self.wire, self.say = learning_rate, list(wire or ()), say
         self.last: dict = {}
         self._t0 = self._window_t = None
@@ -132,8 +136,9 @@ class ProgressLine:
         throughput window restarts here."""
         self._window_t = time.perf_counter()
 
-    def report(self, step: int, loss: float) -> dict:
-        """Measures the window since the last report; prints the line; returns the values."""
+    def report(self, step: int, loss: float, notes: str = "") -> dict:
+        """Measures the window since the last report; prints the line (`notes` before its
+        ETA); returns the values."""
         if self._t0 is None:
             self.start(step)
         now = time.perf_counter()
@@ -147,6 +152,10 @@ class ProgressLine:
         if self.round_steps:
             values["rounds"] = step // self.round_steps
             wire += f" | round {values['rounds']}/{self.total_steps // self.round_steps}"
+        if self.flops_per_step and self.peak_flops and steps:
+            values["mfu"] = self.flops_per_step * steps / seconds / self.peak_flops
+            wire += f" | MFU {values['mfu']:.1%}"
+        wire += notes
         self.last, self._window_t, self._window_step = values, now, step
         if self.say is not None:
             lr = f" | lr {values['learning_rate']:.2e}" if "learning_rate" in values else ""
@@ -181,19 +190,24 @@ class DriveController(keras.callbacks.Callback):
     this mean loss" for `controller.after_steps`.
     """
 
-    def __init__(self, controller, first_step: int, steps_per_epoch: int):
+    def __init__(self, controller, first_step: int, steps_per_epoch: int, run_steps: int = 1):
         super().__init__()
         self.controller, self.first_step, self.steps_per_epoch = controller, first_step, steps_per_epoch
+        self.run_steps = run_steps  # steps per execution: the controller's run
         self._epoch, self._done, self._mean = 0, 0, 0.0
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch, self._done, self._mean = epoch, 0, 0.0  # Keras resets its mean here
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.controller.begin_run(self.run_steps)
 
     def on_train_batch_end(self, batch, logs=None):
         done, mean = batch + 1, float((logs or {}).get("loss", "nan"))
         step = self.first_step + self._epoch * self.steps_per_epoch + done
         loss = (mean * done - self._mean * self._done) / max(done - self._done, 1)
         self._done, self._mean = done, mean
+        self.controller.end_run(step - self.controller.step)
         self.controller.after_steps(step - self.controller.step, loss)
 
 
@@ -232,7 +246,7 @@ def keras_fit(model: keras.Model, controller, dataset_at: Callable[[int], object
             _use_execution_size(model, size, functions)
             first = controller.step
             model.fit(dataset_at(first), epochs=1, steps_per_epoch=size * count, verbose=0, shuffle=False,
-                      callbacks=[DriveController(controller, first, size * count)])
+                      callbacks=[DriveController(controller, first, size * count, size)])
     finally:
         _use_execution_size(model, compiled, functions)
 

@@ -72,7 +72,13 @@ def base_config() -> ml_collections.ConfigDict:
         eval_every=0,                   # evaluate every N steps during training (0: at the end only)
         eval_batch_size=64, eval_examples=0, xla=True,
         accumulate=1,                   # loop: micro-batches (of batch_size) summed per optimizer step
-        nonfinite="stop"))             # tfpar.loop.nonfinite.POLICIES: stop (name the step) | skip (loop) | ignore
+        nonfinite="stop",               # tfpar.loop.nonfinite.POLICIES: stop (name the step) | skip (loop) | ignore
+        profile_steps="",               # "START,STOP": TensorBoard profile of those steps, every worker, and
+                                        # their breakdown (WORKDIR/profile; tfpar.profiling). "": off, no cost
+        stragglers=True,                # loop, 2+ workers: each worker's own step time gathered at each
+                                        # report; the slowest named when it lags (two timestamps a step)
+        mfu=False))                     # count FLOPs and the peak at start: MFU in the line and TensorBoard
+                                        # (on by itself with profile_steps)
     c.optimizer = ml_collections.ConfigDict(dict(
         name="adamw", learning_rate=3e-3, warmup_steps=60, schedule="cosine", min_lr_ratio=0.1,
         weight_decay=0.01,              # decoupled, every optimizer (0: none)
@@ -258,6 +264,15 @@ def _validate_train(config) -> None:
     _require(not (t.nonfinite == "skip" and config.mode == "fit"), "train.nonfinite",
              "skip needs tfpar's loop (Keras fit cannot skip one update): add --config.mode=loop, "
              "or use stop.")
+    from tfpar.profiling.window import parse_steps
+
+    window = parse_steps(t.profile_steps)
+    _require(window is None or window[1] <= t.steps, "train.profile_steps",
+             f"{t.profile_steps!r} ends after the run's last step ({t.steps}).")
+    _require(window is None or config.strategy != "parameter_server", "train.profile_steps",
+             "parameter_server runs its steps on the workers through a coordinator, where the chief "
+             "cannot mark them: profile its workers with tf.profiler.experimental.client.trace, or "
+             "profile a synchronous strategy.")
 
 
 def _validate_optimizer(o) -> None:

@@ -21,8 +21,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Callable, Iterable
+import time
+from typing import Callable, Iterable, Iterator
 
 from absl import logging
 
@@ -82,6 +84,12 @@ class Controller:
         loop checks its gradients itself).
       say: where the controller's own lines go (checkpoint, eval): the chief's output.
       say_everywhere: where the preemption line goes, on every worker (default: say).
+      profile: a tfpar.profiling.ProfileWindow: its steps run one per call, each marked
+        in the trace (whatever drives the steps wraps each run in `running`).
+      stragglers: a tfpar.profiling.StragglerWatch, with `own_seconds() -> float` (this
+        worker's own step time so far, tfpar.loop.Trainer.own_step_seconds): at each
+        report every worker's own time per step is gathered, written as per-worker scalars
+        and the slowest named in the progress line when it lags.
     """
 
     def __init__(self, *, total_steps: int, steps_per_loop: int, start_step: int = 0,
@@ -89,7 +97,8 @@ class Controller:
                  checkpoints=None, progress=None, writer=None,
                  evaluate: Callable[[], dict] | None = None, preemption=None,
                  stop_on_nonfinite: bool = False, say: Callable[[str], None] = logging.info,
-                 say_everywhere: Callable[[str], None] | None = None):
+                 say_everywhere: Callable[[str], None] | None = None, profile=None, stragglers=None,
+                 own_seconds: Callable[[], float | None] | None = None):
         if steps_per_loop < 1:
             raise ValueError(f"steps_per_loop must be >= 1, got {steps_per_loop}.")
         self.total_steps, self.steps_per_loop, self.step = total_steps, steps_per_loop, start_step
@@ -102,12 +111,21 @@ class Controller:
         self.evaluations: dict[int, dict] = {}
         self._window = _Window()
         self._last_saved = start_step if checkpoints is not None and start_step else None
+        self.profile, self.profile_collectives = profile, None  # the driver sets the collectives
+        self.stragglers, self.own_seconds = stragglers, own_seconds
+        self._step_seconds: list[float] = []  # each step's time (a run's mean) since the report
+        self._run_started = None
+        self._own_at_report = 0.0
+        self._reported_step = start_step
+        self.last_values: dict = {}  # the last report's values (the progress line's and these)
 
     # -- what to run ------------------------------------------------------------------
 
     def plan(self, boundaries: Iterable[int] = ()) -> list[int]:
         """Run sizes from the current step to the end (see `plan`); `boundaries`: extra
         steps that must end a run (e.g. a compression warm-up's end)."""
+        if self.profile is not None:
+            boundaries = (*boundaries, *self.profile.boundaries())
         return plan(self.step, self.total_steps, self.steps_per_loop,
                     (self.log_every, self.eval_every, self.checkpoint_every), boundaries)
 
@@ -126,7 +144,32 @@ class Controller:
         """Drives `run_steps(n) -> mean loss of those n steps` to the end."""
         self.begin()
         for steps in self.plan(boundaries):
-            self.after_steps(steps, run_steps(steps))
+            with self.running(steps):
+                loss = run_steps(steps)
+            self.after_steps(steps, loss)
+
+    # -- around each run --------------------------------------------------------------
+
+    def begin_run(self, steps: int) -> None:
+        """A run of `steps` steps from `self.step` starts (the step clock; a window's mark)."""
+        if self.profile is not None and steps == 1:
+            self.profile.begin_step(self.step + 1)
+        self._run_started = time.perf_counter()
+
+    def end_run(self, steps: int) -> None:
+        """That run ended (call before `after_steps`)."""
+        if self._run_started is not None:
+            self._step_seconds += [(time.perf_counter() - self._run_started) / steps] * steps
+            self._run_started = None
+        if self.profile is not None and steps == 1:
+            self.profile.end_step(self.step + 1)
+
+    @contextlib.contextmanager
+    def running(self, steps: int) -> Iterator[None]:
+        """`begin_run` and `end_run` around a run of `steps` steps."""
+        self.begin_run(steps)
+        yield
+        self.end_run(steps)
 
     # -- after each run ---------------------------------------------------------------
 
@@ -156,7 +199,9 @@ class Controller:
         loss = self._window.take()
         if self.progress is None:
             return
-        values = self.progress.report(self.step, loss)
+        notes, measured = self._step_measures()
+        values = {**self.progress.report(self.step, loss, **({"notes": notes} if notes else {})), **measured}
+        self.last_values = values
         if self.writer is not None:
             with self.writer.as_default(step=self.step):
                 import tensorflow as tf
@@ -164,6 +209,29 @@ class Controller:
                 for key, value in values.items():
                     if key != "step":
                         tf.summary.scalar(f"train/{key}", value)
+
+    def _step_measures(self) -> tuple[str, dict]:
+        """(progress-line notes, scalars): step-time percentiles since the last report and,
+        with stragglers, every worker's own time per step and the slowest one's lag."""
+        from tfpar.profiling import stragglers  # pylint: disable=import-outside-toplevel
+
+        measured, notes = {}, ""
+        times, self._step_seconds = sorted(self._step_seconds), []
+        if times:
+            for q in (50, 90, 99):
+                measured[f"step_ms_p{q}"] = 1e3 * times[min(len(times) - 1, int(q / 100 * len(times)))]
+        if self.stragglers is not None and self.own_seconds is not None:
+            own = self.own_seconds() or 0.0
+            steps = max(self.step - self._reported_step, 1)
+            per_worker = self.stragglers.gather(1e3 * (own - self._own_at_report) / steps)
+            self._own_at_report = own
+            measured.update({f"worker_{i}_own_step_ms": ms for i, ms in enumerate(per_worker)})
+            slow = stragglers.slowest(per_worker)
+            if slow is not None:
+                measured.update(straggler=slow[0], straggler_lag_ms=slow[1])
+                notes = f" | straggler worker {slow[0]} +{slow[1]:,.0f} ms"
+        self._reported_step = self.step
+        return notes, measured
 
     def _evaluate(self) -> None:
         results = self.evaluate()
@@ -204,6 +272,9 @@ class Controller:
         raise Preempted(self.step)
 
     def end(self) -> None:
-        """Flushes the summaries (call once training is over)."""
+        """Closes a profile window still open and flushes the summaries (call once
+        training is over)."""
+        if self.profile is not None:
+            self.profile.close()
         if self.writer is not None:
             self.writer.flush()

@@ -48,8 +48,9 @@ class PreemptionWatch:
         self.signalled = True
 
     def _any_replica(self, flag):
-        per_replica = self.strategy.run(lambda: tf.identity(flag))
-        return self.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+        with tf.name_scope("tfpar_preemption"):  # named apart from the step's collectives (profiles)
+            per_replica = self.strategy.run(lambda: tf.identity(flag))
+            return self.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
     def agreed(self) -> bool:
         """True when any worker was signalled: one small all-reduce, so every worker must

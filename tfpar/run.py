@@ -84,6 +84,7 @@ class _Run:
     checkpoints: Any = None
     augment: Any = None
     eval_data: Any = None
+    measured: dict = dataclasses.field(default_factory=dict)  # the profile window's summary
 
     @property
     def corpus(self) -> bool:
@@ -214,7 +215,8 @@ def build(run: _Run) -> None:
                               accumulate=t.accumulate, compression=compression, nonfinite=t.nonfinite,
                               xla=None if t.xla else False, shard=config.parallel.shard,
                               placement=run_parallel.pipeline(config, model, stage_plan),
-                              sync=run_parallel.sync(config))
+                              sync=run_parallel.sync(config),
+                              step_timer=run.config.train.stragglers and run.info.num_workers > 1)
         optimizer = run.trainer.optimizer
         state = {**state, **{k: v for k, v in run.trainer.checkpoint_items().items() if k.startswith("diloco_")}}
     # shard: the sharded optimizer state, in Keras's layout, in place of the optimizer
@@ -263,24 +265,49 @@ def _evaluate(run: _Run) -> dict:
     return evaluate(run.model, eval_strategy, data, steps, xla=run.config.train.xla)
 
 
+def _flops_and_peak(run: _Run) -> tuple[float | None, tuple]:
+    """(FLOPs a step on this worker, (peak FLOP/s, source)) when MFU is asked or profiled."""
+    from tfpar import data as data_lib
+    from tfpar.profiling import binary
+
+    t = run.config.train
+    if not (t.mfu or t.profile_steps):
+        return None, (None, "")
+    replicas = run_parallel.data_replicas(run.config, run.info)
+    rows = data_lib.per_replica_batch_size(t.batch_size, replicas)
+    sample = next(iter(run.splits.train.build(training=True).batch(rows).take(1)))[0]
+    here = max(len(run.info.devices), 1) if run.info.replicas > 1 else 1
+    return binary.flops_and_peak(run.config, run.model, sample, here, run.info.devices[0])
+
+
 def _controller(run: _Run, start: int, wire: list | None, writer):
     from tfpar import preemption
     from tfpar.callbacks import ProgressLine, current_learning_rate
     from tfpar.controller import Controller
+    from tfpar.profiling import StragglerWatch, binary
 
     t = run.config.train
+    flops, peak = _flops_and_peak(run)
     units = t.batch_size * t.accumulate * (run.config.data.seq_len if run.corpus else 1)
     progress = ProgressLine(t.steps, units, run.unit, lambda: current_learning_rate(run.optimizer),
                             wire=wire, say=run.say if run.info.is_chief else None,
-                            round_steps=run.config.parallel.inner_steps if run.config.parallel.sync != "none" else None)
+                            round_steps=run.config.parallel.inner_steps if run.config.parallel.sync != "none" else None,
+                            flops_per_step=flops, peak_flops=peak[0])
     # ps: a dead worker is restarted while the chief goes on; no coordinated save needed
     watch = None if run.asynchronous else preemption.PreemptionWatch(run.strategy)
-    return Controller(
+    timed = run.trainer is not None and run.trainer.own_step_seconds() is not None
+    controller = Controller(
         total_steps=t.steps, steps_per_loop=t.steps_per_loop, start_step=start,
         log_every=t.log_every, eval_every=t.eval_every, checkpoint_every=t.checkpoint_every,
         checkpoints=run.checkpoints, progress=progress, writer=writer,
         evaluate=lambda: _evaluate(run), preemption=watch, say=run.say, say_everywhere=_say,
-        stop_on_nonfinite=run.trainer is None and t.nonfinite == "stop")  # the loop checks itself
+        stop_on_nonfinite=run.trainer is None and t.nonfinite == "stop",  # the loop checks itself
+        stragglers=StragglerWatch(run.strategy, run.info.num_workers, run.info.task_index or 0) if timed else None,
+        own_seconds=run.trainer.own_step_seconds if timed else None)
+    controller.profile = binary.profile_window(
+        run.config, run.info, run.strategy, run.workdir, start, run.say,
+        lambda: controller.profile_collectives and controller.profile_collectives(), flops, peak, run.measured)
+    return controller
 
 
 def _exchange_name(config) -> str:
@@ -327,12 +354,16 @@ def _results(run: _Run, train_seconds: float, progress_last: dict, wire: list | 
                        overlap_steps=run.config.parallel.overlap_steps, fragments=run.config.parallel.fragments)
     if run.corpus:
         results["unigram_baseline"] = data_lib.unigram_entropy(run.splits.validation)
+    for key in ("mfu", "step_ms_p50", "step_ms_p90", "step_ms_p99", "straggler", "straggler_lag_ms"):
+        if key in progress_last:
+            results[key] = progress_last[key]
+    results.update(run.measured)
     with writer.as_default(step=t.steps):
         for key in ("loss", "perplexity", "accuracy", "exact"):
             tf.summary.scalar(f"eval/{key}", results[key])
     writer.flush()
     run.say("eval: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
-                                 for k, v in results.items()))
+                                 for k, v in results.items() if not isinstance(v, dict)))
     if run.info.is_chief:
         with open(os.path.join(run.workdir, "results.json"), "w", encoding="utf-8") as f:
             json.dump(results, f, indent=2)
@@ -383,6 +414,12 @@ def train_and_evaluate(config, workdir: str) -> dict:
         keras_fit(run.model, controller,
                   lambda step: train_data if step == start else _train_data(run, step))
     controller.end()
-    results = _results(run, time.perf_counter() - started, controller.progress.last, wire, writer)
+    if controller.profile is not None and run.info.is_chief:
+        from tfpar.profiling import binary
+
+        picture = binary.draw_workers(workdir)
+        if picture:
+            run.say(f"profile: breakdown of every worker found: {picture}")
+    results = _results(run, time.perf_counter() - started, controller.last_values, wire, writer)
     _sample(run)
     return results

@@ -10,7 +10,12 @@ Example:
 
 from __future__ import annotations
 
+import concurrent.futures
+import inspect
 import os
+import re
+import socket
+import sys
 
 import tensorflow as tf
 
@@ -70,20 +75,55 @@ def _split_facts(builder, split: str) -> tuple[int, int | None]:
     return len(split_info.filenames), split_info.num_examples
 
 
+TFDS_MIRROR = "storage.googleapis.com"  # TFDS tries its prepared copies there first
+
+
+def download_hosts(builder) -> list[str]:
+    """The hosts a builder downloads from: TFDS's mirror and those its module names."""
+    try:
+        source = inspect.getsource(sys.modules[type(builder).__module__])
+    except (OSError, TypeError, KeyError):
+        source = ""
+    named = re.findall(r"https?://([A-Za-z0-9.-]+)", source)
+    return list(dict.fromkeys([TFDS_MIRROR, *named]))
+
+
+def unreachable(hosts: list[str], timeout: float = 3.0) -> str | None:
+    """None when any of `hosts` answers on port 443 within `timeout` seconds (all tried at
+    once); otherwise why not, for the first one."""
+    def connect(host: str) -> str | None:
+        try:
+            socket.create_connection((host, 443), timeout=timeout).close()
+            return None
+        except OSError as e:
+            return f"{host}: {e.strerror or type(e).__name__}"
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(len(hosts), 1)) as pool:
+        reasons = list(pool.map(connect, hosts))
+    return None if not hosts or any(r is None for r in reasons) else reasons[0]
+
+
+def _not_prepared(builder, spec: str, why: str) -> DataError:
+    return DataError(
+        f"{spec} is not prepared in {builder.data_dir_root} and could not be downloaded "
+        f"({why}). On a machine with network, run `python -c \"import "
+        f"tensorflow_datasets as tfds; tfds.builder('{builder.name}').download_and_prepare()\"`, "
+        "copy its ~/tensorflow_datasets folder here, and pass --config.data.data_dir=THAT_FOLDER.")
+
+
 def _prepare(builder, spec: str, data_dir: str | None) -> None:
-    """Downloads and prepares the dataset once; without network, says how to bring it here."""
+    """Downloads and prepares the dataset once; without network, says how to bring it here
+    at once (TFDS would retry its downloads for minutes first)."""
     if builder.is_prepared():
         return
+    why = unreachable(download_hosts(builder))
+    if why is not None:
+        raise _not_prepared(builder, spec, f"no network: {why}")
     try:
         builder.download_and_prepare()
     except Exception as e:  # pylint: disable=broad-except  (network, disk, missing extras)
         reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise DataError(
-            f"{spec} is not prepared in {builder.data_dir_root} and could not be downloaded "
-            f"({type(e).__name__}: {reason}). On a machine with network, run `python -c \"import "
-            f"tensorflow_datasets as tfds; tfds.builder('{builder.name}').download_and_prepare()\"`, "
-            "copy its ~/tensorflow_datasets folder here, and pass --config.data.data_dir=THAT_FOLDER."
-        ) from None
+        raise _not_prepared(builder, spec, f"{type(e).__name__}: {reason}") from None
 
 
 def tfds_splits(spec: str, data_dir: str | None = None, max_len: int = 128,

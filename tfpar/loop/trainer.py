@@ -44,6 +44,7 @@ from tfpar.loop.nonfinite import POLICIES as NONFINITE_POLICIES
 from tfpar.loop.nonfinite import NonFiniteGuard
 from tfpar.loop.options import (TrainerError, aggregator_for, check_placement, skipped_step_state,  # noqa: F401
                                 tensor_parallel_layout, unpack)
+from tfpar.profiling import stragglers
 from tfpar.strategy import keras_fixes, optimizer_update, private_api
 
 
@@ -151,6 +152,10 @@ class Trainer:
         it takes the variables' values as tensors (Keras `stateless_call`), which is what
         lets XLA run under MirroredStrategy too (a compiled function that captures mirrored
         variables reads them from the wrong device). The update is never compiled.
+      step_timer: time each replica's own part of every step, from before it reads its
+        batch to its gradients being ready (before any wait on other workers), for
+        `own_step_seconds` (tfpar.profiling.stragglers; two timestamps a step; not under
+        parameter_server or shard).
     """
 
     def __init__(self, model: keras.Model, optimizer: keras.optimizers.Optimizer,
@@ -159,7 +164,7 @@ class Trainer:
                  aggregator: GradientAggregator | None = None,
                  compression: Compressor | Compression | None = None, placement=None,
                  nonfinite: str = "stop", xla: bool | None = None, sum_sparse_rows: bool = True,
-                 shard: str | zero.ZeroUpdate | None = None, sync=None):
+                 shard: str | zero.ZeroUpdate | None = None, sync=None, step_timer: bool = False):
         self.model, self.optimizer, self.loss = model, optimizer, loss
         # the strategy given, else the one the model was built under (its scope, or a
         # keras.distribution that tfpar runs), else the one in scope
@@ -181,6 +186,8 @@ class Trainer:
                     and self._tensor_layout is None)
         self.sum_sparse_rows = sum_sparse_rows
         self._build_state(nonfinite)
+        self._timer = stragglers.StepTimer(self.strategy) if step_timer and not (
+            self._async or self._sharded) else None
         self._build_sync()
         self._build_steps(accumulate, placement, skips, nonfinite)
 
@@ -299,7 +306,7 @@ class Trainer:
         saved = self._skipped_step_state.save(summed)
         return self._skipped_step_state.restore_if_skipped(self.aggregator(summed, variables), saved)
 
-    def _replica_step(self, batches: Sequence, index=0):
+    def _replica_step(self, batches: Sequence, index=0, started=None):
         variables = self.model.trainable_variables
         if self._gathers_batches:
             batches = [tensor_parallel.gather_group_batch(batch, self._tensor_layout) for batch in batches]
@@ -320,6 +327,8 @@ class Trainer:
         scale = self._loss_scale() if self._loss_scaled else None
         if scale is not None:  # fp16: the aggregator sees (and keeps state in) true units
             summed = [_scaled(g, 1.0 / scale) for g in summed]
+        if started is not None:  # this replica's own part of the step ends here
+            self._timer.ready(started, summed)
         if self._sync is None:
             summed = self._aggregate(summed, variables)
         else:  # DiLoCo: each replica steps on its own gradient (no all-reduce)
@@ -372,8 +381,9 @@ class Trainer:
                 variable.assign(0.0)
         self.strategy.run(reset)
         for index in tf.range(steps):
+            started = self._timer.start() if self._timer is not None else None
             batches = [next(iterator) for _ in range(self.accumulate)]
-            self.strategy.run(self._replica_step, args=(batches, index))
+            self.strategy.run(self._replica_step, args=(batches, index, started))
         return (self._loss_sum.read_value() / tf.cast(steps, tf.float32), *self._guard.read())
 
     # -- the loop ---------------------------------------------------------------------
@@ -432,6 +442,10 @@ class Trainer:
         self.step += steps
         return loss
 
+    def own_step_seconds(self) -> float | None:
+        """This worker's own seconds in all steps so far (see `step_timer`; None: off)."""
+        return None if self._timer is None else self._timer.local_seconds()
+
     def checkpoint_items(self) -> dict:
         """Trackables the Trainer adds to checkpoints (compression state), by name; with
         `shard`, also 'optimizer': the sharded optimizer state, in place of the optimizer."""
@@ -488,8 +502,10 @@ class Trainer:
                                "strategy.distribute_datasets_from_function otherwise.")
         return self._async.per_worker_dataset(dataset_fn)
 
-    def _run_chunks(self, iterator, sizes: list[int], on_chunk, settle=frozenset()) -> None:
-        """Runs a call per size, then `on_chunk(size, mean loss)` with `self.step` past it.
+    def _run_chunks(self, iterator, sizes: list[int], on_chunk, settle=frozenset(),
+                    around=None) -> None:
+        """Runs a call per size, then `on_chunk(size, mean loss)` with `self.step` past it;
+        `around(steps)`: a context around each call (a controller's profile window).
 
         Under parameter_server the calls are scheduled on the workers and stay in flight,
         except at a step in `settle` (a checkpoint or evaluation reads the state there):
@@ -497,7 +513,9 @@ class Trainer:
         """
         if not self._async:
             for n in sizes:  # cut at DiLoCo's round ends: its outer step runs before on_chunk (checkpoints)
-                on_chunk(n, self.train_steps(iterator, n))
+                with around(n) if around is not None else contextlib.nullcontext():
+                    loss = self.train_steps(iterator, n)
+                on_chunk(n, loss)
             return
 
         def done(n: int, loss: float) -> None:
@@ -551,8 +569,11 @@ class Trainer:
             self._batch_check.arm()
         callback_list.on_train_begin()
         callback_list.on_epoch_begin(0)
+        iterator = iter(self._distributed(dataset))
+        if controller is not None and controller.profile is not None:  # its comm log's bytes
+            controller.profile_collectives = lambda: self.step_collectives(iterator)
         with self._taking_up_the_weights():
-            self._run_chunks(iter(self._distributed(dataset)), sizes, on_chunk, settle)
+            self._run_chunks(iterator, sizes, on_chunk, settle, controller and controller.running)
         callback_list.on_epoch_end(0, logs)
         if sizes and self._sharded is not None:  # as Keras fit ends: with use_ema the model
             self._sharded.finalize(self.model.trainable_variables)  # takes the moving averages
@@ -603,6 +624,12 @@ class Trainer:
         if results.pop("batch_check", 0):
             raise tensor_parallel.mismatch_error(layout, "The evaluation dataset")
         return {**results, "examples": results["examples"] / layout.degree}  # a TP group's T replicas see each
+
+    def step_collectives(self, iterator) -> list:
+        """The collectives (tfpar.compression.accounting.Collective) of the one-step call
+        that training runs on `iterator` now, with their counted bytes."""
+        return accounting.collectives(self._train_loop.get_concrete_function(
+            iterator, tf.constant(1), self._phase(self.step)))
 
     def collective_ops(self, dataset) -> list[tuple[str, str]]:
         """(type, name) of every collective op in one traced train step, nested functions
