@@ -60,6 +60,19 @@ def test_two_workers_profile_their_window_and_the_slowed_one_is_named(tmp_path):
     assert "| straggler worker 1 +" in out and results["straggler"] == 1
     assert results["straggler_lag_ms"] > 50
 
+    # TensorBoard's scalars: throughput, MFU, wire, step-time percentiles, each worker's own step
+    tags = _scalar_tags(workdir / "tensorboard")
+    assert {"train/tok_per_s", "train/mfu", "train/wire_bytes_per_s", "train/step_ms_p50", "train/step_ms_p90",
+            "train/step_ms_p99", "train/worker_0_own_step_ms", "train/worker_1_own_step_ms",
+            "train/straggler_lag_ms"} <= tags
+
+
+def _scalar_tags(directory) -> set[str]:
+    import tensorflow as tf
+
+    return {value.tag for path in directory.glob("events.out.tfevents.*")
+            for event in tf.compat.v1.train.summary_iterator(str(path)) for value in event.summary.value}
+
 
 @pytest.mark.skipif(Hosts.unavailable() is not None, reason=Hosts.unavailable() or "")
 def test_on_a_20_mbit_link_the_all_reduce_dominates_the_step(tmp_path):

@@ -35,25 +35,28 @@ def _bytes_by_name(graph_collectives) -> dict[str, int | None]:
 def comm_log(steps: Sequence[trace.Step], graph_collectives=None) -> list[dict]:
     """One row per collective that ran in a profiled step: its step, graph name, kind,
     bytes (counted from the traced step's graph; None for a collective outside the step
-    function, such as the preemption agreement, or without the graph) and milliseconds.
-    A row's `in_step` tells whether it belongs to the step's own function call."""
+    function, such as the preemption agreement, for one whose size depends on the data,
+    or without the graph: Keras fit) and milliseconds. A row's `in_step` tells whether it
+    belongs to the step's own function call (the call most of the step's collectives
+    share; without the graph, most of all of them)."""
     sizes = _bytes_by_name(graph_collectives)
     rows = []
     for step in steps:
         named = [(kind, e, trace.graph_name(e.op_name, sizes)) for kind, e in step.collectives]
-        calls = collections.Counter(e.stats.get("step_id") for _, e, name in named if name in sizes)
+        calls = collections.Counter(e.stats.get("step_id") for _, e, name in named if name in sizes or not sizes)
         own = calls.most_common(1)[0][0] if calls else None  # the step function's call
         for kind, e, name in sorted(named, key=lambda item: item[1].start):
-            in_step = name in sizes and e.stats.get("step_id") == own
+            in_step = (name in sizes or not sizes) and e.stats.get("step_id") == own
             rows.append({"step": step.number, "name": name, "kind": kind,
-                         "bytes": sizes[name] if in_step else None, "ms": e.duration / 1e9,
+                         "bytes": sizes.get(name) if in_step else None, "ms": e.duration / 1e9,
                          "in_step": in_step, "start_ms": (e.start - step.start) / 1e9})
     return rows
 
 
 def bandwidth(rows: Sequence[dict], group_size: int) -> dict[str, dict]:
     """Per kind: bytes and seconds per step, algbw and busbw in GB/s (bytes over the time
-    the collectives were in flight; busbw scales algbw by the ring's link factor)."""
+    the collectives were in flight; busbw scales algbw by the ring's link factor). Without
+    counted bytes (Keras fit) the bandwidths are None."""
     steps = {r["step"] for r in rows} or {0}
     found = {}
     for kind in trace.KINDS:
@@ -61,10 +64,10 @@ def bandwidth(rows: Sequence[dict], group_size: int) -> dict[str, dict]:
         if not mine:
             continue
         sent, seconds = sum(r["bytes"] or 0 for r in mine), sum(r["ms"] for r in mine) / 1e3
-        algbw = sent / seconds / 1e9 if seconds else 0.0
+        algbw = sent / seconds / 1e9 if seconds and sent else None
         found[kind] = {"bytes_per_step": sent / len(steps), "seconds_per_step": seconds / len(steps),
                        "count_per_step": len(mine) / len(steps), "algbw_gbs": algbw,
-                       "busbw_gbs": algbw * LINK_FACTORS[kind](group_size) if group_size > 1 else 0.0}
+                       "busbw_gbs": algbw * LINK_FACTORS[kind](group_size) if group_size > 1 and algbw else None}
     return found
 
 
@@ -120,9 +123,13 @@ def lines(summary: dict) -> list[str]:
     first, last = summary["steps"]
     out = [f"profile: steps {first}-{last}, worker {summary['worker']}: {_ms(total)} a step = {parts}"]
     for kind, b in summary["bandwidth"].items():
+        if b["algbw_gbs"] is None:
+            out.append(f"profile: {kind} {b['count_per_step']:g} call(s) a step, {_ms(b['seconds_per_step'])} in "
+                       "flight (bytes are counted in tfpar's loop, --config.mode=loop)")
+            continue
         line = (f"profile: {kind} {b['bytes_per_step']:,.0f} bytes a step in {b['count_per_step']:g} call(s), "
                 f"{_ms(b['seconds_per_step'])} in flight: algbw {b['algbw_gbs']:.3f} GB/s, "
-                f"busbw {b['busbw_gbs']:.3f} GB/s")
+                f"busbw {b['busbw_gbs'] or 0:.3f} GB/s")
         if "measured_busbw_gbs" in b:
             line += f" (tfpar-check's all-reduce of that size now: busbw {b['measured_busbw_gbs']:.3f} GB/s)"
         out.append(line)
