@@ -116,7 +116,6 @@ def plot(rows: list[dict], path: str) -> None:
         ax.text(i, bottom[i], f"{r['mean_ms']['seconds']:,.0f} ms", ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(rows)), labels, fontsize=7)
     ax.set_ylabel("ms per step (mean of the profiled window)")
-    ax.set_yscale("log")
     ax.set_title("gpt_tiny, 2 workers: where a step's time goes (tfpar's profile window)")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
