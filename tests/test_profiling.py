@@ -181,3 +181,42 @@ def test_a_tfds_dataset_without_network_fails_at_once_with_the_fix(tmp_path, mon
     with pytest.raises(DataError, match="no network: storage.googleapis.com") as raised:
         tfds_source.tfds_splits("tfds:cifar10", data_dir=str(tmp_path))
     assert time.monotonic() - started < 10 and "--config.data.data_dir" in str(raised.value)
+
+
+def test_the_binary_in_process_profiles_its_window_and_reports_mfu(tmp_path, capsys, monkeypatch):
+    """The binary's path (tfpar.run) with profile_steps: the window's lines, breakdown.json,
+    the picture and results.json's profile, FLOPs against the CPU's timed matmul."""
+    import json
+
+    from absl import flags
+
+    from procs import REPO
+    from tfpar import train
+
+    argv = ["tfpar-train", "--config=configs/gpt_tiny.py", f"--workdir={tmp_path}", "--config.mode=loop",
+            "--config.model_args.dim=32", "--config.model_args.depth=1", "--config.data.seq_len=32",
+            "--config.train.steps=4", "--config.train.batch_size=8", "--config.train.steps_per_loop=4",
+            "--config.train.eval_examples=32", "--config.train.eval_batch_size=32", "--config.sample.length=0",
+            "--config.train.profile_steps=3,4"]
+    monkeypatch.setattr("sys.argv", argv)
+    monkeypatch.chdir(REPO)
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(argv)
+    train.main(["tfpar-train"])
+    said = capsys.readouterr().out
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert "profile: steps 3-4, worker 0:" in said and "MFU" in said
+    assert [row["step"] for row in results["profile"]["per_step"]] == [3, 4]
+    assert 0 < results["profile"]["mfu"] and results["profile"]["flops_per_step"] > 0
+    assert "matmul measured now" in results["profile"]["peak_source"]
+    assert (tmp_path / "profile" / "worker_0" / "breakdown.json").exists()
+    assert (tmp_path / "profile" / "breakdown.png").exists()
+
+
+def test_datasheet_peaks_are_found_by_the_chip_in_the_device_name():
+    from tfpar.profiling import peak
+
+    assert peak.datasheet_peak("/GPU:0 NVIDIA H100 80GB HBM3", "mixed_bfloat16") == 989.4e12
+    assert peak.datasheet_peak("/TPU:0 TPU v5 lite", "float32") == 197.0e12
+    assert peak.datasheet_peak("/GPU:0 NVIDIA L40S", "float32") == 183.0e12  # not L4's
+    assert peak.datasheet_peak("/cpu:0", "float32") is None
