@@ -86,6 +86,8 @@ SLOW = (
     "tests/test_placement.py::test_pipeline_loss_and_gradients_equal_the_unsplit_model[1f1b-4-True-2]",
     # the hybrid with topk: the one without keeps the fast tier's pipelined Trainer under a plan's strategy
     "tests/test_placement.py::test_hybrid_two_replicas_of_a_two_stage_pipeline_train_like_one_device[topk]",
+    # 26 s: the mid_round parameter keeps the fast tier's DiLoCo resume (2026-12-07, for the profiling tests)
+    "tests/test_diloco.py::test_a_run_stopped_mid_round_resumes_onto_the_uninterrupted_run[in_flight_int4]",
     *(f"tests/faults/test_nonfinite.py::test_skip_with_compression_leaves_its_state_as_before_the_bad_step[{name}]"
       for name in ("powersgd", "dgc", "onebit_adam", "dgc_adam", "onebit_adam_every2")),  # 8-12 s each
 )
