@@ -33,18 +33,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
-from tfpar.profiling import trace  # noqa: E402
+from hosts import _env  # noqa: E402  (benchmarks/hosts.py: the workers' environment)
+from tfpar.profiling import report  # noqa: E402
 from tfpar.testing.netns import Hosts  # noqa: E402
 
 PORT = 23456
-
-
-def _env(**extra: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               TF_CPP_MIN_LOG_LEVEL="2")
-    env.pop("TF_CONFIG", None)
-    env.update(extra)
-    return env
 
 
 def _args(workdir: str, compression: str, steps: int, window: str | None, freeze: int) -> list[str]:
@@ -106,21 +99,12 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(10, 4.5))
-    labels, bottom = [f"{r['where']}\n{r['compression']}\nw{r['worker']}" for r in rows], [0.0] * len(rows)
-    for part in trace.PARTS:
-        heights = [r["mean_ms"][part] for r in rows]
-        if any(h > 0.05 for h in heights):
-            ax.bar(range(len(rows)), heights, bottom=bottom, label=part)
-            bottom = [b + h for b, h in zip(bottom, heights)]
+    tops = report.stack(ax, [r["mean_ms"] for r in rows], scale=1.0)
     for i, r in enumerate(rows):
-        ax.text(i, bottom[i], f"{r['mean_ms']['seconds']:,.0f} ms", ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(range(len(rows)), labels, fontsize=7)
-    ax.set_ylabel("ms per step (mean of the profiled window)")
-    ax.set_title("gpt_tiny, 2 workers: where a step's time goes (tfpar's profile window)")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        ax.text(i, tops[i], f"{r['mean_ms']['seconds']:,.0f} ms", ha="center", va="bottom", fontsize=7)
+    report.save(fig, ax, [f"{r['where']}\n{r['compression']}\nw{r['worker']}" for r in rows],
+                "ms per step (mean of the profiled window)",
+                "gpt_tiny, 2 workers: where a step's time goes (tfpar's profile window)", path)
 
 
 def main() -> None:

@@ -51,3 +51,16 @@ def free_port_pair() -> int:
                     continue
                 return port
     raise RuntimeError("no two consecutive free ports on 127.0.0.1")
+
+
+def train_in_process(argv: list[str], monkeypatch) -> None:
+    """Runs tfpar-train's main with `argv` (ARGV[0] first) in this process, from the repo."""
+    from absl import flags
+
+    from tfpar import train
+
+    monkeypatch.setattr("sys.argv", argv)  # ml_collections finds the --config.* overrides in sys.argv
+    monkeypatch.chdir(REPO)
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(argv)
+    train.main([argv[0]])

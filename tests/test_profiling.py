@@ -187,21 +187,14 @@ def test_the_binary_in_process_profiles_its_window_and_reports_mfu(tmp_path, cap
     the picture and results.json's profile, FLOPs against the CPU's timed matmul."""
     import json
 
-    from absl import flags
-
-    from procs import REPO
-    from tfpar import train
+    from procs import train_in_process
 
     argv = ["tfpar-train", "--config=configs/gpt_tiny.py", f"--workdir={tmp_path}", "--config.mode=loop",
             "--config.model_args.dim=32", "--config.model_args.depth=1", "--config.data.seq_len=32",
             "--config.train.steps=4", "--config.train.batch_size=8", "--config.train.steps_per_loop=4",
             "--config.train.eval_examples=32", "--config.train.eval_batch_size=32", "--config.sample.length=0",
             "--config.train.profile_steps=3,4"]
-    monkeypatch.setattr("sys.argv", argv)
-    monkeypatch.chdir(REPO)
-    flags.FLAGS.unparse_flags()
-    flags.FLAGS(argv)
-    train.main(["tfpar-train"])
+    train_in_process(argv, monkeypatch)
     said = capsys.readouterr().out
     results = json.loads((tmp_path / "results.json").read_text())
     assert "profile: steps 3-4, worker 0:" in said and "MFU" in said

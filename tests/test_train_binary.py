@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from procs import REPO, run_python
+from procs import REPO, run_python, train_in_process
 from tfpar.config import ConfigError, validate
 from tfpar.train import train_and_evaluate
 
@@ -140,19 +140,11 @@ def test_two_workers_train_checkpoint_and_resume(tmp_path):
 def test_a_short_run_in_process_writes_its_results_and_a_sample(tmp_path, capsys, monkeypatch):
     """The binary's whole path in this process (flags, checks, fit, checkpoint, eval, sample):
     the fast tier's one end-to-end run, a few steps of a small GPT on the corpus."""
-    from absl import flags
-
-    from tfpar import train
-
     argv = ["tfpar-train", "--config=configs/gpt_tiny.py", f"--workdir={tmp_path}",
             "--config.model_args.dim=32", "--config.model_args.depth=1", "--config.data.seq_len=32",
             "--config.train.steps=3", "--config.train.batch_size=8", "--config.train.steps_per_loop=3",
             "--config.train.eval_examples=64", "--config.train.eval_batch_size=32", "--config.sample.length=12"]
-    monkeypatch.setattr("sys.argv", argv)  # ml_collections finds the --config.* overrides in sys.argv
-    monkeypatch.chdir(REPO)
-    flags.FLAGS.unparse_flags()
-    flags.FLAGS(argv)
-    train.main(["tfpar-train"])
+    train_in_process(argv, monkeypatch)
     said = capsys.readouterr().out
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["step"] == 3 and np.isfinite(results["loss"]) and results["unigram_baseline"] > 0

@@ -141,8 +141,35 @@ def lines(summary: dict) -> list[str]:
     return out
 
 
+def stack(ax, bars: Sequence[dict], scale: float = 1e3) -> list[float]:
+    """Stacks each bar's PARTS (seconds x `scale`) on `ax`, skipping parts that are ~0 in
+    every bar; returns the bars' tops."""
+    bottom = [0.0] * len(bars)
+    for part in trace.PARTS:
+        heights = [bar[part] * scale for bar in bars]
+        if any(h > 1e-4 * scale for h in heights):
+            ax.bar(range(len(bars)), heights, bottom=bottom, label=part)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+    return bottom
+
+
+def save(fig, ax, labels: Sequence[str], ylabel: str, title: str, path: str) -> str:
+    """Labels, legend and the PNG at `path` (closes `fig`)."""
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+    ax.set_xticks(range(len(labels)), list(labels), fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def draw(summaries: Sequence[dict], path: str) -> str:
-    """One stacked bar per (worker, step): its parts in PARTS order. Returns `path`."""
+    """One stacked bar per (worker, step): its parts in PARTS order, the host clock's step
+    time marked on it. Returns `path`."""
     import matplotlib  # pylint: disable=import-outside-toplevel
 
     matplotlib.use("Agg")
@@ -150,20 +177,9 @@ def draw(summaries: Sequence[dict], path: str) -> str:
 
     bars = [(f"w{s['worker']}\n{row['step']}", row) for s in summaries for row in s["per_step"]]
     fig, ax = plt.subplots(figsize=(max(4.0, 0.55 * len(bars) + 2), 4))
-    bottom = [0.0] * len(bars)
-    for part in trace.PARTS:
-        heights = [row[part] * 1e3 for _, row in bars]
-        if any(heights):
-            ax.bar(range(len(bars)), heights, bottom=bottom, label=part)
-            bottom = [b + h for b, h in zip(bottom, heights)]
+    stack(ax, [row for _, row in bars])
     hosts = [row.get("host_seconds") for _, row in bars]
     if all(h is not None for h in hosts):
         ax.plot(range(len(bars)), [h * 1e3 for h in hosts], "k_", markersize=14, label="host clock")
-    ax.set_xticks(range(len(bars)), [label for label, _ in bars], fontsize=7)
-    ax.set_ylabel("ms")
-    ax.set_title("where each profiled step's time went (worker, step)")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, ax, [label for label, _ in bars], "ms", "where each profiled step's time went (worker, step)",
+                path)
