@@ -111,7 +111,7 @@ def test_a_profiled_window_reads_back_with_its_steps_collectives_and_a_slow_inpu
     steps = 10  # the prefetched batches are used up before the window (steps 6-8)
     trainer, strategy, summary = _profiled_fit(tmp_path, _slow_input(0.15, steps), steps, 6, 8)
     assert [row["step"] for row in summary["per_step"]] == [6, 7, 8]
-    for row in summary["per_step"]:  # the trace's steps are the steps the host clock timed
+    for row in summary["per_step"]:  # the parts cover each step's period on the host clock
         assert sum(row[part] for part in trace.PARTS) == pytest.approx(row["seconds"], rel=1e-9)
         assert row["seconds"] == pytest.approx(row["host_seconds"], rel=0.05)
         assert row["input"] > 0.5 * row["seconds"]  # 150 ms of the input's sleep in each step
@@ -143,7 +143,7 @@ def test_with_profiling_off_no_profiler_runs_and_the_step_graph_is_the_profiled_
     controller = Controller(total_steps=3, steps_per_loop=4, say=lambda line: None)
     plain.fit(strategy.experimental_distribute_dataset(fit_model.dataset(3)), steps=3, controller=controller)
     assert _graph(plain, strategy) == _graph(profiled, strategy)
-    assert plain.own_step_seconds() is None and not (tmp_path / "profile" / "worker_1").exists()
+    assert plain.own_step_seconds() is None
 
 
 @pytest.mark.slow  # the two-worker straggler test runs the timer end to end in the fast tier's stead
@@ -212,3 +212,52 @@ def test_datasheet_peaks_are_found_by_the_chip_in_the_device_name():
     assert peak.datasheet_peak("/TPU:0 TPU v5 lite", "float32") == 197.0e12
     assert peak.datasheet_peak("/GPU:0 NVIDIA L40S", "float32") == 183.0e12  # not L4's
     assert peak.datasheet_peak("/cpu:0", "float32") is None
+
+
+def test_nccl_kernels_and_tpu_vms_are_named_for_what_they_are(monkeypatch):
+    from tfpar.profiling import peak
+
+    assert trace.nccl_kind("ncclDevKernel_AllGather_RING_LL(ncclDevComm*, ...)") == "all_gather"
+    assert trace.nccl_kind("ncclDevKernel_SendRecv(...)") == "send_recv" and trace.nccl_kind("sgemm_128") is None
+    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v5litepod-8")
+    assert peak.device_peak("/device:TPU:0", "mixed_bfloat16") == (197.0e12, "datasheet, /device:TPU:0 TPU v5")
+
+
+class _Info:
+    def __init__(self, task_type="worker", task_index=0, replicas=2):
+        self.task_type, self.task_index, self.replicas = task_type, task_index, replicas
+
+
+class _Resolver:
+    def __init__(self, spec):
+        self.spec = spec
+
+    def cluster_spec(self):
+        return tf.train.ClusterSpec(self.spec)
+
+
+def test_workers_beside_a_chief_are_numbered_after_it():
+    from tfpar.profiling import binary
+
+    class Strategy:
+        cluster_resolver = _Resolver({"chief": ["a:1"], "worker": ["b:1", "c:1"]})
+
+    assert binary.worker_rank(Strategy(), _Info("chief", 0)) == 0
+    assert [binary.worker_rank(Strategy(), _Info("worker", i)) for i in (0, 1)] == [1, 2]
+    Strategy.cluster_resolver = _Resolver({"worker": ["b:1", "c:1"]})
+    assert binary.worker_rank(Strategy(), _Info("worker", 1)) == 1
+
+
+@pytest.mark.parametrize("start, window", [(0, (3, 5)), (3, (5, 5)), (4, None), (2, (4, 5)), (5, None)])
+def test_a_resumed_run_never_profiles_its_first_step(tmp_path, start, window):
+    """The first call after a restore traces the step function: a window starting there
+    starts a step later, or is said not to run."""
+    from tfpar.profiling import binary
+
+    config = config_lib.base_config()
+    config.train.profile_steps = "3,5"
+    said = []
+    found = binary.profile_window(config, _Info(), tf.distribute.get_strategy(), str(tmp_path), start, said.append,
+                                  lambda: None, None, (None, ""), {})
+    assert (found and (found.first, found.last)) == (window or None)
+    assert bool(said) == (window != (3, 5))  # a window moved or dropped is said

@@ -152,8 +152,13 @@ class Controller:
 
     def begin_run(self, steps: int) -> None:
         """A run of `steps` steps from `self.step` starts (the step clock; a window's mark)."""
-        if self.profile is not None and steps == 1:
-            self.profile.begin_step(self.step + 1)
+        if self.profile is not None:
+            ended = self.profile.ended
+            self.profile.before_run()  # after the window's last step: the profiler stops, the analysis
+            if self.profile.ended and not ended and self.progress is not None:
+                self.progress.pause_ends()  # is not training
+            if steps == 1:
+                self.profile.begin_step(self.step + 1)
         self._run_started = time.perf_counter()
 
     def end_run(self, steps: int) -> None:
@@ -161,14 +166,20 @@ class Controller:
         if self._run_started is not None:
             self._step_seconds += [(time.perf_counter() - self._run_started) / steps] * steps
             self._run_started = None
-        if self.profile is not None and steps == 1:
-            self.profile.end_step(self.step + 1)
+        if self.profile is not None:
+            self.profile.end_step(self.step + steps)
 
     @contextlib.contextmanager
     def running(self, steps: int) -> Iterator[None]:
-        """`begin_run` and `end_run` around a run of `steps` steps."""
+        """`begin_run` and `end_run` around a run of `steps` steps (a failed run stops a
+        profile window without its analysis)."""
         self.begin_run(steps)
-        yield
+        try:
+            yield
+        except BaseException:
+            if self.profile is not None:
+                self.profile.abandon()
+            raise
         self.end_run(steps)
 
     # -- after each run ---------------------------------------------------------------

@@ -302,7 +302,8 @@ def _controller(run: _Run, start: int, wire: list | None, writer):
         checkpoints=run.checkpoints, progress=progress, writer=writer,
         evaluate=lambda: _evaluate(run), preemption=watch, say=run.say, say_everywhere=_say,
         stop_on_nonfinite=run.trainer is None and t.nonfinite == "stop",  # the loop checks itself
-        stragglers=StragglerWatch(run.strategy, run.info.num_workers, run.info.task_index or 0) if timed else None,
+        stragglers=StragglerWatch(run.strategy, run.info.num_workers, binary.worker_rank(run.strategy, run.info))
+        if timed else None,
         own_seconds=run.trainer.own_step_seconds if timed else None)
     controller.profile = binary.profile_window(
         run.config, run.info, run.strategy, run.workdir, start, run.say,

@@ -627,9 +627,9 @@ class Trainer:
 
     def step_collectives(self, iterator) -> list:
         """The collectives (tfpar.compression.accounting.Collective) of the one-step call
-        that training runs on `iterator` now, with their counted bytes."""
+        that trained the last step on `iterator`, with their counted bytes."""
         return accounting.collectives(self._train_loop.get_concrete_function(
-            iterator, tf.constant(1), self._phase(self.step)))
+            iterator, tf.constant(1), self._phase(max(self.step - 1, 0))))
 
     def collective_ops(self, dataset) -> list[tuple[str, str]]:
         """(type, name) of every collective op in one traced train step, nested functions

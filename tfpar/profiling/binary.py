@@ -16,6 +16,16 @@ from tfpar.profiling import report
 from tfpar.profiling.window import ProfileWindow, parse_steps
 
 
+def worker_rank(strategy, info) -> int:
+    """This process's place among the workers, 0..N-1: a chief is 0 and worker i is i + 1
+    beside it (TF_CONFIG numbers each task type from 0)."""
+    if info.task_type == "chief":
+        return 0
+    resolver = getattr(strategy, "cluster_resolver", None)
+    spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
+    return (info.task_index or 0) + (1 if "chief" in spec else 0)
+
+
 def logdir(workdir: str, worker: int) -> str:
     """A worker's own profile directory (one profiler session per process; workers on one
     host would overwrite each other's `<hostname>.xplane.pb` in a shared one)."""
@@ -36,16 +46,30 @@ def profile_window(config, info, strategy, workdir: str, start: int, say: Callab
     if start >= last:
         say(f"tfpar: profile_steps {first}-{last}: not profiled, the run resumed at step {start}.")
         return None
-    first = max(first, start + 1)
-    worker = info.task_index or 0
+    if start + 1 >= first:  # the first call after a restore traces its function: not profiled
+        if start + 2 > last:
+            say(f"tfpar: profile_steps {first}-{last}: not profiled, the run resumed at step {start} "
+                "(its first step traces the step function).")
+            return None
+        say(f"tfpar: profile_steps {first}-{last}: from step {start + 2}; step {start + 1}, the first "
+            f"after {'the restore' if start else 'the start'}, traces the step function.")
+        first = start + 2
+    worker = worker_rank(strategy, info)
 
     def on_end(window: ProfileWindow) -> None:
         counted = collectives()
-        summary = report.analyse(window, worker=worker, group_size=info.replicas,
-                                 graph_collectives=counted, flops_per_step=flops_per_step,
-                                 peak_flops=peak[0])
+        probe = _all_reduce_probe(strategy, counted)  # first: every worker joins it, come what may
+        try:
+            summary = report.analyse(window, worker=worker, group_size=info.replicas,
+                                     graph_collectives=counted, flops_per_step=flops_per_step,
+                                     peak_flops=peak[0])
+        except Exception as error:  # pylint: disable=broad-except  (training goes on, said)
+            say(f"profile: the trace in {window.logdir} could not be read back ({type(error).__name__}: "
+                f"{error}); training goes on without the breakdown.")
+            return
         summary["peak_source"] = peak[1]
-        _measure_all_reduce(summary, strategy, counted)
+        if probe and "all_reduce" in summary["bandwidth"]:
+            summary["bandwidth"]["all_reduce"].update(probe)
         report.write(summary)
         for line in report.lines(summary):
             say(line)
@@ -54,21 +78,20 @@ def profile_window(config, info, strategy, workdir: str, start: int, say: Callab
     return ProfileWindow(first, last, logdir(workdir, worker), on_end=on_end)
 
 
-def _measure_all_reduce(summary: dict, strategy, counted) -> None:
-    """tfpar-check's all-reduce of the step's largest all-reduce, timed now, beside the
-    achieved one. Every worker calls it with the size read from the traced graph, the same
-    everywhere (a size read from each worker's trace could differ: a collective mismatch)."""
+def _all_reduce_probe(strategy, counted) -> dict | None:
+    """tfpar-check's all-reduce of the step's largest all-reduce, timed now, to set beside
+    the achieved one. Every worker runs it with the size read from the traced graph, the
+    same everywhere (a size read from each worker's trace could differ: a collective
+    mismatch)."""
     from tfpar.check_probes import all_reduce_table  # pylint: disable=import-outside-toplevel
     from tfpar.profiling.trace import COLLECTIVE_KINDS  # pylint: disable=import-outside-toplevel
 
     sizes = [c.bytes for c in counted or () if c.bytes and COLLECTIVE_KINDS.get(c.type) == "all_reduce"]
-    found = summary["bandwidth"].get("all_reduce")
     if not sizes or strategy.num_replicas_in_sync < 2:
-        return
+        return None
     row = all_reduce_table(strategy, [max(sizes)], iterations=5)[0]
-    if found is None:
-        return
-    found.update(measured_busbw_gbs=row["busbw_gbs"], measured_time_us=row["time_us"], measured_bytes=row["bytes"])
+    return {"measured_busbw_gbs": row["busbw_gbs"], "measured_time_us": row["time_us"],
+            "measured_bytes": row["bytes"]}
 
 
 def draw_workers(workdir: str) -> str | None:
@@ -85,8 +108,13 @@ def draw_workers(workdir: str) -> str | None:
 
 
 def flops_and_peak(config, model, sample, replicas_here: int, device: str) -> tuple[float | None, tuple]:
-    """(FLOPs a step on this worker, (peak FLOP/s, its source)) for MFU."""
+    """(FLOPs a step on this worker, (peak FLOP/s of its devices, its source)) for MFU: a
+    GPU's or TPU's rate times this worker's replicas; a CPU's timed matmul as it is (its
+    logical devices share the cores it was timed on)."""
     from tfpar.profiling import peak  # pylint: disable=import-outside-toplevel
 
     flops = peak.step_flops(model, sample, replicas_here, config.train.accumulate)
-    return flops, peak.device_peak(device, config.precision)
+    rate, source = peak.device_peak(device, config.precision)
+    if rate and "CPU" not in device.upper() and replicas_here > 1:
+        rate, source = rate * replicas_here, f"{source}, x {replicas_here} devices"
+    return flops, (rate, source)

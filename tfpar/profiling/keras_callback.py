@@ -54,7 +54,7 @@ class ProfileSteps(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self._step += 1
-        self.window.end_step(self._step)
+        self.window.end_step(self._step)  # every step: the one before the window starts the profiler
 
     def on_train_end(self, logs=None):
         self.window.close()

@@ -12,6 +12,9 @@ Example:
 
 from __future__ import annotations
 
+import os
+import re
+
 from absl import logging
 
 # Dense TFLOP/s per chip: (float32 as TensorFlow runs it, bfloat16/float16).
@@ -32,10 +35,27 @@ def datasheet_peak(device_description: str, precision: str) -> float | None:
     return None
 
 
+def tpu_chip(accelerator_type: str) -> str | None:
+    """A TPU VM's accelerator type (its `TPU_ACCELERATOR_TYPE`, e.g. "v5litepod-8") as a
+    DATASHEET_TFLOPS name.
+
+    Example:
+        >>> tpu_chip("v5litepod-8"), tpu_chip("v5p-16"), tpu_chip("v4-8")
+        ('TPU v5', 'TPU v5p', 'TPU v4')
+    """
+    found = re.match(r"v(\d)(p|e|lite)?", accelerator_type.strip().lower())
+    if not found:
+        return None
+    return f"TPU v{found.group(1)}" + ("p" if found.group(2) == "p" else "")
+
+
 def _description(device: str) -> str:
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
     kind = "TPU" if "TPU" in device.upper() else "GPU" if "GPU" in device.upper() else "CPU"
+    if kind == "TPU":  # TensorFlow's TPU devices do not name the chip; the TPU VM does
+        accelerator = os.environ.get("TPU_ACCELERATOR_TYPE") or os.environ.get("ACCELERATOR_TYPE") or ""
+        return f"{device} {tpu_chip(accelerator) or accelerator}"
     physical = tf.config.list_physical_devices(kind)
     if not physical:
         return device

@@ -44,6 +44,10 @@ COLLECTIVE_KINDS = {
     "CollectivePermute": "send_recv", "_Send": "send_recv", "_Recv": "send_recv",
     "_HostSend": "send_recv", "_HostRecv": "send_recv",
 }
+# A GPU's NCCL kernels (on its device plane): the kind from the kernel's name
+NCCL_KINDS = (("ReduceScatter", "reduce_scatter"), ("AllReduce", "all_reduce"), ("AllGather", "all_gather"),
+              ("AllToAll", "all_to_all"), ("Broadcast", "broadcast"), ("SendRecv", "send_recv"),
+              ("Send", "send_recv"), ("Recv", "send_recv"))
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 PARTS = ("compute", *KINDS, "input", "idle")  # in the order the picture stacks them
 INPUT_TYPES = ("IteratorGetNext", "IteratorGetNextSync", "IteratorGetNextAsOptional",
@@ -122,6 +126,18 @@ def _stats(plane, stats) -> dict:
     return found
 
 
+def nccl_kind(name: str) -> str | None:
+    """The collective kind of a GPU kernel named for NCCL (None: not NCCL's).
+
+    Example:
+        >>> nccl_kind("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevComm*, ...)")
+        'all_reduce'
+    """
+    if "nccl" not in name.lower():
+        return None
+    return next((kind for part, kind in NCCL_KINDS if part.lower() in name.lower()), "all_reduce")
+
+
 def _events(space) -> tuple[list[Event], list[Event], list[Event], list[tuple[str, Event]], list[Event]]:
     """(step marks, compute, input, (kind, collective), all) of every host and device plane."""
     marks, compute, inputs, collectives = [], [], [], []
@@ -139,9 +155,9 @@ def _events(space) -> tuple[list[Event], list[Event], list[Event], list[tuple[st
                     stats = _stats(plane, e.stats)
                     if "step_num" in stats:
                         marks.append(Event(name, base + e.offset_ps, e.duration_ps, stats))
-                elif op_type in COLLECTIVE_KINDS:
+                elif op_type in COLLECTIVE_KINDS or (on_device and nccl_kind(name)):
                     event = Event(name, base + e.offset_ps, e.duration_ps, _stats(plane, e.stats))
-                    collectives.append((COLLECTIVE_KINDS[op_type], event))
+                    collectives.append((COLLECTIVE_KINDS.get(op_type) or nccl_kind(name), event))
                 elif op_type in INPUT_TYPES or name in INPUT_REGIONS:
                     inputs.append(Event(name, base + e.offset_ps, e.duration_ps, {}))
                 elif computing:

@@ -10,7 +10,11 @@ host-side regions around each call).
 
 Inside the window each step is its own call (the controller cuts its runs there), so the
 trace has one mark per step; the run before the window is cut too, so that Keras fit
-traces its one-step function before the profiler starts.
+traces its one-step function before the profiler starts. The profiler starts as the step
+before the window ends, so each profiled step's period on the host clock (from the end of
+the call before to the end of its own) holds its call and what runs between calls, and no
+profiler start: the breakdown's check (its parts against that period) is independent of
+the marks it is cut at.
 
 Example:
     >>> window = ProfileWindow(11, 14, "/tmp/run/profile/worker_0")
@@ -19,10 +23,9 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
-from typing import Callable, Iterator
+from typing import Callable
 
 from tfpar.errors import ConfigError
 
@@ -65,10 +68,11 @@ class ProfileWindow:
             raise ConfigError(f"profile steps {first}..{last}: need 1 <= first <= last.")
         self.first, self.last, self.logdir = first, last, logdir
         self.on_end, self.host_tracer_level = on_end, host_tracer_level
-        self.host_seconds: dict[int, float] = {}  # step -> its call's time on the host clock
+        self.host_seconds: dict[int, float] = {}  # step -> its period on the host clock
         self.active = self.ended = False
         self._region = None
-        self._started_at = 0.0
+        self._last_end: float | None = None  # when the call before ended (host clock)
+        self._stop_pending = False  # the last step ended: stop as the next run begins
         self.profiler_seconds = 0.0  # starting and stopping (writing) the profiler
 
     def boundaries(self) -> range:
@@ -79,32 +83,54 @@ class ProfileWindow:
     def contains(self, step: int) -> bool:
         return self.first <= step <= self.last
 
+    def _start(self) -> None:
+        import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+        started = time.perf_counter()
+        os.makedirs(self.logdir, exist_ok=True)
+        tf.profiler.experimental.start(self.logdir, tf.profiler.experimental.ProfilerOptions(
+            host_tracer_level=self.host_tracer_level, python_tracer_level=0, device_tracer_level=1))
+        self.active = True
+        self.profiler_seconds += time.perf_counter() - started
+
+    def before_run(self) -> None:
+        """Before any run: stops the profiler after the window's last step. Not at that
+        step's end: the collective threads record their last events just after the call
+        returns, and a stop there loses them (the last step's loss sum, now and then)."""
+        if self._stop_pending:
+            self._stop_pending = False
+            self._stop()
+
     def begin_step(self, step: int) -> None:
         """Before step `step` runs (its call holds that one step inside the window)."""
+        self.before_run()
         if not self.contains(step) or self.ended:
             return
         import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
-        if not self.active:
-            started = time.perf_counter()
-            os.makedirs(self.logdir, exist_ok=True)
-            tf.profiler.experimental.start(self.logdir, tf.profiler.experimental.ProfilerOptions(
-                host_tracer_level=self.host_tracer_level, python_tracer_level=0, device_tracer_level=1))
-            self.active = True
-            self.profiler_seconds += time.perf_counter() - started
+        if not self.active:  # the window starts the run: no step ended before it here
+            self._start()
+            self._last_end = None
         self._region = tf.profiler.experimental.Trace("train", step_num=step, _r=1)
         self._region.__enter__()
-        self._started_at = time.perf_counter()
 
     def end_step(self, step: int) -> None:
-        """After step `step` ran; the last one stops the profiler and calls on_end."""
-        if self._region is None:
+        """After step `step` ran (call it for every step, in or out of the window): the one
+        before the window starts the profiler, the last one stops it and calls on_end."""
+        if self.ended or self._stop_pending:
             return
-        self.host_seconds[step] = time.perf_counter() - self._started_at
-        self._region.__exit__(None, None, None)
-        self._region = None
-        if step >= self.last:
-            self._stop()
+        if self._region is not None:
+            self._region.__exit__(None, None, None)
+            self._region = None
+            now = time.perf_counter()
+            if self._last_end is not None:
+                self.host_seconds[step] = now - self._last_end
+            if step >= self.last:
+                self._stop_pending = True
+                return
+        elif step + 1 == self.first and not self.active:
+            self._start()
+        self._last_end = time.perf_counter()
 
     def _stop(self) -> None:
         import tensorflow as tf  # pylint: disable=import-outside-toplevel
@@ -116,22 +142,25 @@ class ProfileWindow:
         if self.on_end is not None:
             self.on_end(self)
 
-    @contextlib.contextmanager
-    def around(self, step: int, steps: int) -> Iterator[None]:
-        """Around a run of `steps` steps after step `step` (a window step runs alone)."""
-        if steps != 1 or not self.contains(step + 1):
-            yield
-            return
-        self.begin_step(step + 1)
-        try:
-            yield
-        finally:
-            self.end_step(step + 1)
-
     def close(self) -> None:
-        """A run that ended inside its window (or before it ended): stop the profiler."""
-        if self.active:
+        """The run ended (after its window, or inside it): stop the profiler."""
+        if self._stop_pending:
+            self.before_run()
+        elif self.active:
             if self._region is not None:
                 self._region.__exit__(None, None, None)
                 self._region = None
             self._stop()
+
+    def abandon(self) -> None:
+        """A step failed: stop the profiler (its trace is written) without the analysis,
+        whose collectives the other workers would not join."""
+        self._stop_pending = False
+        if self.active:
+            import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+            if self._region is not None:
+                self._region.__exit__(None, None, None)
+                self._region = None
+            tf.profiler.experimental.stop()
+            self.active, self.ended = False, True
