@@ -61,6 +61,8 @@ def train_in_process(argv: list[str], monkeypatch) -> None:
 
     monkeypatch.setattr("sys.argv", argv)  # ml_collections finds the --config.* overrides in sys.argv
     monkeypatch.chdir(REPO)
+    for name in [name for name in flags.FLAGS if name.startswith("config.")]:
+        delattr(flags.FLAGS, name)  # an earlier run's overrides: ml_collections defines them anew
     flags.FLAGS.unparse_flags()
     flags.FLAGS(argv)
     train.main([argv[0]])
