@@ -180,6 +180,10 @@ def test_a_tfds_dataset_without_network_fails_at_once_with_the_fix(tmp_path, mon
     with pytest.raises(DataError, match="no network: storage.googleapis.com") as raised:
         tfds_source.tfds_splits("tfds:cifar10", data_dir=str(tmp_path))
     assert time.monotonic() - started < 10 and "--config.data.data_dir" in str(raised.value)
+    import tensorflow_datasets as tfds
+
+    with tfds.testing.mock_data(num_examples=4):  # TFDS's mock downloads nothing: no probe
+        assert tfds_source.tfds_splits("tfds:cifar10", data_dir=str(tmp_path)).info["kind"] == "image"
 
 
 def test_the_binary_in_process_profiles_its_window_and_reports_mfu(tmp_path, capsys, monkeypatch):
