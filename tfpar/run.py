@@ -267,17 +267,13 @@ def _evaluate(run: _Run) -> dict:
 
 def _flops_and_peak(run: _Run) -> tuple[float | None, tuple]:
     """(FLOPs a step on this worker, (peak FLOP/s, source)) when MFU is asked or profiled."""
-    from tfpar import data as data_lib
     from tfpar.profiling import binary
 
     t = run.config.train
     if not (t.mfu or t.profile_steps):
         return None, (None, "")
-    replicas = run_parallel.data_replicas(run.config, run.info)
-    rows = data_lib.per_replica_batch_size(t.batch_size, replicas)
-    sample = next(iter(run.splits.train.build(training=True).batch(rows).take(1)))[0]
     here = max(len(run.info.devices), 1) if run.info.replicas > 1 else 1
-    return binary.flops_and_peak(run.config, run.model, sample, here, run.info.devices[0])
+    return binary.flops_and_peak(run.config, run.model, _sample_inputs(run), here, run.info.devices[0])
 
 
 def _controller(run: _Run, start: int, wire: list | None, writer):

@@ -108,12 +108,15 @@ def draw_workers(workdir: str) -> str | None:
 
 
 def flops_and_peak(config, model, sample, replicas_here: int, device: str) -> tuple[float | None, tuple]:
-    """(FLOPs a step on this worker, (peak FLOP/s of its devices, its source)) for MFU: a
-    GPU's or TPU's rate times this worker's replicas; a CPU's timed matmul as it is (its
-    logical devices share the cores it was timed on)."""
+    """(FLOPs a step on this worker, (peak FLOP/s of its devices, its source)) for MFU.
+    `sample`: one micro-batch of one replica (a step runs `parallel.microbatches` x
+    `train.accumulate` of them per replica). The peak: a GPU's or TPU's rate times this
+    worker's replicas; a CPU's timed matmul as it is (its logical devices share the cores
+    it was timed on)."""
     from tfpar.profiling import peak  # pylint: disable=import-outside-toplevel
 
-    flops = peak.step_flops(model, sample, replicas_here, config.train.accumulate)
+    passes = config.train.accumulate * config.parallel.microbatches
+    flops = peak.step_flops(model, sample, replicas_here, passes)
     rate, source = peak.device_peak(device, config.precision)
     if rate and "CPU" not in device.upper() and replicas_here > 1:
         rate, source = rate * replicas_here, f"{source}, x {replicas_here} devices"

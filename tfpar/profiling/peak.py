@@ -79,9 +79,10 @@ def device_peak(device: str, precision: str = "float32") -> tuple[float | None, 
     return rate, f"{math} matmul measured now on {device}, as tfpar-check"
 
 
-def step_flops(model, x, replicas: int = 1, accumulate: int = 1) -> float | None:
+def step_flops(model, x, replicas: int = 1, passes: int = 1) -> float | None:
     """Forward + backward FLOPs of one optimizer step on one worker: `x` is one replica's
-    (micro-)batch; None where the model's stages cannot be counted."""
+    (micro-)batch, run `passes` times a step (accumulation x pipeline micro-batches); None
+    where the model's stages cannot be counted."""
     from tensorflow.python.util import deprecation  # pylint: disable=import-outside-toplevel
 
     from tfpar.placement import costs  # pylint: disable=import-outside-toplevel
@@ -92,4 +93,4 @@ def step_flops(model, x, replicas: int = 1, accumulate: int = 1) -> float | None
     except Exception as error:  # pylint: disable=broad-except  (a model without tfpar's stages)
         logging.warning("tfpar: FLOPs not counted for %s: %s", getattr(model, "name", model), error)
         return None
-    return counted * replicas * accumulate
+    return counted * replicas * passes

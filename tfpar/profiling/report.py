@@ -22,9 +22,11 @@ from typing import Sequence
 
 from tfpar.profiling import trace
 
-LINK_FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-                "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
-                "broadcast": lambda n: 1.0, "send_recv": lambda n: 1.0}  # nccl-tests' busbw
+# nccl-tests' busbw over algbw (what the fastest link carries, per byte of the payload);
+# tfpar.compression.accounting.LINK_FACTORS counts a link's bytes per byte handed over instead
+BUSBW_FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+                 "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+                 "broadcast": lambda n: 1.0, "send_recv": lambda n: 1.0}
 
 
 def _bytes_by_name(graph_collectives) -> dict[str, int | None]:
@@ -67,7 +69,7 @@ def bandwidth(rows: Sequence[dict], group_size: int) -> dict[str, dict]:
         algbw = sent / seconds / 1e9 if seconds and sent else None
         found[kind] = {"bytes_per_step": sent / len(steps), "seconds_per_step": seconds / len(steps),
                        "count_per_step": len(mine) / len(steps), "algbw_gbs": algbw,
-                       "busbw_gbs": algbw * LINK_FACTORS[kind](group_size) if group_size > 1 and algbw else None}
+                       "busbw_gbs": algbw * BUSBW_FACTORS[kind](group_size) if group_size > 1 and algbw else None}
     return found
 
 
